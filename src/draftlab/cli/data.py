@@ -1,0 +1,23 @@
+"""``draftlab-data``: run the data stage (see ``conf/data_stage.yaml``)."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from draftlab.cli import config_dir
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="data_stage")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from draftlab.stages.data import run_data_stage, write_summary
+
+    result = run_data_stage(cfg)
+    path = write_summary(result, HydraConfig.get().runtime.output_dir)
+    print(f"data summary: {path}")
+
+
+if __name__ == "__main__":
+    main()

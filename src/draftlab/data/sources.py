@@ -1,0 +1,96 @@
+"""Config-facing specs: which conversations and which benchmark questions a run uses.
+
+``path`` may be a local file or directory, ``asset:<name>`` (see ``draftlab.assets``) or, with
+``format: hf``, anything ``datasets.load_dataset`` accepts. Hydra instantiates these from ``conf/data``
+and ``conf/bench``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftlab.utils.hashing import file_fingerprint
+from draftlab.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def resolve_path(path: str) -> str:
+    if path.startswith("asset:"):
+        from draftlab.assets import fetch
+
+        return str(fetch(path.removeprefix("asset:")))
+    return path
+
+
+@dataclass
+class ConversationSource:
+    path: str
+    format: str = "auto"  # auto | sharegpt | jsonl | hf | gsm8k
+    name: str | None = None
+    offset: int = 0
+    limit: int | None = None
+    split: str = "train"
+
+    def load(self):
+        from draftlab.data.conversations import load_conversations, load_gsm8k
+
+        path = resolve_path(self.path)
+        if self.format == "gsm8k":
+            convs = load_gsm8k(path)
+        elif self.format == "hf":
+            convs = load_conversations(path, format="hf", split=self.split)
+        else:
+            convs = load_conversations(path, format=self.format)
+        end = None if self.limit is None else self.offset + self.limit
+        convs = convs[self.offset:end]
+        prefix = self.name or Path(str(self.path)).stem
+        for c in convs:  # ids stay unique when several sources are mixed
+            c.id = f"{prefix}/{c.id}"
+        return convs
+
+    def fingerprint(self) -> dict:
+        path = resolve_path(self.path)
+        fp = file_fingerprint(path) if Path(path).is_file() else path
+        return {"data": fp, "format": self.format, "offset": self.offset, "limit": self.limit, "split": self.split}
+
+
+@dataclass
+class DataSpec:
+    sources: list[ConversationSource] = field(default_factory=list)
+    max_length: int = 2048
+    truncation: str = "truncate"  # truncate | drop
+    val_fraction: float = 0.05
+    drop_system: bool = False
+
+    def load(self):
+        """All sources, normalised; returns (conversations, normalise report)."""
+        from draftlab.data.conversations import normalize
+
+        if not self.sources:
+            raise ValueError("data spec has no sources")
+        convs = [c for s in self.sources for c in s.load()]
+        kept, report = normalize(convs, drop_system=self.drop_system)
+        log.info("%s", report)
+        return kept, report
+
+    def fingerprint(self) -> dict:
+        return {"sources": [s.fingerprint() for s in self.sources], "drop_system": self.drop_system}
+
+
+@dataclass
+class BenchmarkSpec:
+    name: str
+    path: str
+    format: str = "question_jsonl"  # question_jsonl | humaneval
+    categories: list[str] | None = None
+    per_category: int | None = None
+    limit: int | None = None
+
+    def load(self):
+        from draftlab.data.benchmarks import load_humaneval, load_question_jsonl, select_questions
+
+        path = resolve_path(self.path)
+        qs = load_humaneval(path) if self.format == "humaneval" else load_question_jsonl(path)
+        return select_questions(qs, categories=self.categories, per_category=self.per_category, limit=self.limit)

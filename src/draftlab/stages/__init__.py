@@ -1,0 +1,1 @@
+"""Pipeline stages as plain functions of a resolved config (the CLIs are thin wrappers around them)."""

@@ -1,0 +1,91 @@
+"""The data stage: target -> conversations -> regeneration -> rendered samples + loss masks -> vocab map.
+
+Every expensive product is a content-addressed artifact under ``paths.artifacts``: regenerated data is
+keyed by (target, data, regeneration settings), the vocab map by (data, template, tokenizer, max length,
+V_d). Re-running with the same settings reuses them; an interrupted regeneration resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from draftlab.data.regenerate import RegenConfig, RegenReport, load_regenerated, regenerate
+from draftlab.data.template import RenderedSample, RenderReport, render_conversations, require_chat_template
+from draftlab.data.vocab import VocabMapping, load_or_build_vocab_mapping, vocab_mapping_cache_key
+from draftlab.utils.hashing import content_key
+from draftlab.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class DataStageResult:
+    target: object
+    samples: list[RenderedSample]
+    render_report: RenderReport
+    regen_report: RegenReport | None
+    vocab: VocabMapping | None
+    data_key: str
+    regen_path: Path | None
+
+    def summary(self) -> dict:
+        return {
+            "data_key": self.data_key,
+            "samples": len(self.samples),
+            "render": asdict(self.render_report),
+            "regeneration": None if self.regen_report is None else {
+                k: v for k, v in asdict(self.regen_report).items() if k != "paths"} | {"path": str(self.regen_path)},
+            "vocab": None if self.vocab is None else {"draft_vocab_size": int(self.vocab.d2t.numel()),
+                                                      "coverage": self.vocab.coverage},
+        }
+
+
+def run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
+    t0 = time.perf_counter()
+    target = target if target is not None else instantiate(cfg.target)
+    log.info("target %s: %s", getattr(target, "name", "?"), target.geometry)
+    require_chat_template(target.tokenizer)
+    spec = instantiate(cfg.data, _convert_="object")
+    convs, _ = spec.load()
+    target_id = OmegaConf.to_container(cfg.target, resolve=True)
+    data_key = content_key(spec.fingerprint())
+    regen_report, regen_path = None, None
+    if cfg.regen.enabled:
+        rcfg = RegenConfig(**{k: v for k, v in OmegaConf.to_container(cfg.regen, resolve=True).items() if k != "enabled"},
+                           seed=cfg.seed)
+        # max_batches only limits how far one invocation gets; it must not change where results live.
+        key_cfg = {k: v for k, v in asdict(rcfg).items() if k != "max_batches"}
+        data_key = content_key(target_id, spec.fingerprint(), key_cfg)
+        regen_path = Path(cfg.paths.artifacts) / "regen" / data_key / "regenerated.jsonl"
+        regen_report = regenerate(target, convs, regen_path, rcfg)
+        log.info("%s", regen_report)
+        log.info("regenerated data: %s", regen_path)
+        convs = load_regenerated(regen_path)
+    samples, render_report = render_conversations(target.tokenizer, convs, max_length=spec.max_length,
+                                                  truncation=spec.truncation)
+    log.info("%s", render_report)
+    vocab = None
+    if cfg.get("vocab") and cfg.vocab.draft_vocab_size:
+        vkey = vocab_mapping_cache_key(data_key, target.tokenizer.chat_template, getattr(target, "name", ""),
+                                       spec.max_length, cfg.vocab.draft_vocab_size)
+        vocab = load_or_build_vocab_mapping(lambda: samples, cache_dir=cfg.paths.artifacts, key=vkey,
+                                            vocab_size=target.geometry.vocab_size,
+                                            draft_vocab_size=cfg.vocab.draft_vocab_size)
+        log.info("draft vocabulary: %d of %d tokens cover %.2f%% of assistant tokens",
+                 cfg.vocab.draft_vocab_size, target.geometry.vocab_size, 100 * vocab.coverage)
+    result = DataStageResult(target, samples, render_report, regen_report, vocab, data_key, regen_path)
+    log.info("data stage done in %.1f s", time.perf_counter() - t0)
+    return result
+
+
+def write_summary(result: DataStageResult, out_dir: str | Path) -> Path:
+    path = Path(out_dir) / "data_summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.summary(), indent=2, default=str))
+    return path
