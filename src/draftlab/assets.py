@@ -70,9 +70,8 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 def _gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     """De-quantise a GGUF checkpoint once into an fp32 safetensors HF directory (loads in ~2 s later)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf_dir = out_dir / "hf"
     tmp_dir = out_dir / "hf.partial"

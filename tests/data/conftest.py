@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 
-# tests/data/conftest.py -> the repo root is parents[2]; the shared folder sits beside the repo.
-SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-
-
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"public data folder {SHARED_DATA} is not present")
-    return SHARED_DATA
+# ``shared_data`` comes from tests/conftest.py: it fails (never skips) when ../shared/data is missing.
 
 
 @pytest.fixture(scope="session")

@@ -99,7 +99,8 @@ def _specbench_prompts(shared_data, tokenizer, n):
     for q in picked:
         text = tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}], tokenize=False,
                                              add_generation_prompt=True)
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"][-1024:])
+        # The last 512 tokens keep each prompt's task and most of its text; prefill is not what is tested.
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"][-512:])
     return prompts
 
 

@@ -116,7 +116,7 @@ class DraftTree:
         ``0 <= parents[i] < i`` for every other node (topological order), or if the lengths differ.
         """
         tokens_t = _as_long(tokens)
-        parents_t = _as_long(parents)
+        parents_t = _as_long(parents).to(tokens_t.device)
         if tokens_t.ndim != 1 or parents_t.shape != tokens_t.shape:
             raise ValueError(
                 f"tokens and parents must be 1-D of equal length, got {tuple(tokens_t.shape)} "

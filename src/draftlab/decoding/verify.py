@@ -24,7 +24,9 @@ without looking at the verifier's randomness. With ``p_0 = p``: accept ``x_j`` w
 distributed as ``p`` with ``x_1`` removed and renormalised, i.e. ``p_1``. Repeating the argument, the
 procedure is the same as drawing ``y ~ p`` once, accepting the child whose token is ``y`` if there is
 one and emitting ``y`` as the bonus otherwise. So the emitted token is exactly ``p``-distributed, for any
-candidate set (duplicated siblings are harmless: the second copy has ``p_j(x) = 0``).
+candidate set chosen independently of the verifier's coins (duplicated siblings are harmless: the second
+copy has ``p_j(x) = 0``). That includes sampled candidates: marking them deterministic stays lossless but
+accepts less often (``p(x)`` instead of ``min(1, p(x)/q(x))``).
 
 Sampled candidates (``not tree.deterministic``; Leviathan et al. 2023 / Chen et al. 2023 for a chain,
 SpecInfer's multi-draft rule for siblings). Child ``x_j`` was drawn from ``q_j = draft_probs[x_j's
@@ -80,16 +82,16 @@ class VerifyResult:
 
 
 def _try_deterministic(
-    p: torch.Tensor, kids: list[int], tokens: list[int], coins: list[float]
+    p: torch.Tensor, kids: list[int], tokens: list[int], token_ids: torch.Tensor, coins: list[float]
 ) -> tuple[int | None, torch.Tensor]:
     # EAGLE's rule at one node; returns (accepted child or None, distribution for the bonus).
-    kid_tokens = [tokens[c] for c in kids]
-    # Zeroing a rejected token and renormalising only changes the running mass, so one gather of the
-    # children's probabilities and host-side scalars replace a vector pass per rejection.
-    kid_probs = p[kid_tokens].tolist()
+    # Zeroing a rejected token and renormalising only changes the running mass, so one gather of p at
+    # the tree's tokens and host-side scalars replace a vector pass per rejection.
+    p_at_nodes = p.index_select(0, token_ids).tolist()  # [N]
     mass = float(p.sum())
     rejected: list[int] = []
-    for child, x, px in zip(kids, kid_tokens, kid_probs):
+    for child in kids:
+        x, px = tokens[child], p_at_nodes[child]
         if x in rejected:
             continue  # a duplicate sibling: its probability is already zero
         # u < p(x) / sum(p) without dividing by a possibly tiny mass; px > 0 keeps rounding in the
@@ -98,24 +100,21 @@ def _try_deterministic(
             return child, p
         rejected.append(x)
         mass -= px
-    if not rejected:
-        return None, p
     residual = p.index_fill(0, torch.tensor(rejected, device=p.device), 0.0)  # [V]
     # The running mass is exact to ~1e-7, so only a (numerically) empty one needs the exact check.
     return None, residual if mass > 1e-6 else _or_fallback(residual, p)
 
 
 def _try_sampled(
-    p: torch.Tensor, kids: list[int], tokens: list[int], coins: list[float], draft_probs: torch.Tensor
+    p: torch.Tensor, kids: list[int], tokens: list[int], q_at_nodes: list[float], coins: list[float],
+    draft_probs: torch.Tensor,
 ) -> tuple[int | None, torch.Tensor]:
     # Leviathan/SpecInfer rule at one node; returns (accepted child or None, distribution for the bonus).
     target_p = p
-    kid_tokens = [tokens[c] for c in kids]
-    kid_q = draft_probs[kids, kid_tokens].tolist()  # q_j(x_j) for every child, one gather
-    for child, x, qx in zip(kids, kid_tokens, kid_q):
+    for child in kids:
         # u < p/q written without division: a q(x) = 0 draw (impossible in exact arithmetic) is then
         # accepted iff p(x) > 0 instead of producing NaN.
-        if coins[child] * qx < float(p[x]):
+        if coins[child] * q_at_nodes[child] < float(p[tokens[child]]):
             return child, p
         residual = (p - draft_probs[child]).clamp_min_(0.0)  # [V]
         p = _or_fallback(residual, target_p, normalise=True)  # [V]
@@ -168,11 +167,14 @@ def verify(
             path.append(match)
             node = match
 
+    token_ids = tree.tokens.to(device=target_logits.device)  # [N]
     sampled = not tree.deterministic
     if sampled:
         if tree.draft_probs is None or tree.draft_probs.shape[-1] != vocab:
             raise ValueError(f"a sampled tree needs draft_probs [N={n}, V={vocab}]")
         draft_probs = tree.draft_probs.to(device=target_logits.device, dtype=torch.float32)  # [N, V]
+        # q_i(x_i): the probability each node's token had under the distribution it was drawn from.
+        q_at_nodes = draft_probs.gather(1, token_ids[:, None]).squeeze(1).tolist()  # [N]
 
     # One uniform per node, drawn up front: node i's coin decides node i's acceptance. They are
     # independent of each other and of the tree, which is all the proofs need, and one draw (one host
@@ -185,9 +187,9 @@ def verify(
         if not kids:
             accepted = None
         elif sampled:
-            accepted, p = _try_sampled(p, kids, tokens, coins, draft_probs)
+            accepted, p = _try_sampled(p, kids, tokens, q_at_nodes, coins, draft_probs)
         else:
-            accepted, p = _try_deterministic(p, kids, tokens, coins)
+            accepted, p = _try_deterministic(p, kids, tokens, token_ids, coins)
         if accepted is None:
             # multinomial normalises, so the unnormalised deterministic residual is sampled as is.
             return VerifyResult(path, int(sample(p, generator)))

@@ -36,6 +36,29 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """Attention for a few query rows against a long cache, heads grouped onto their shared KV head.
+
+    q [B, H, T, hd], k/v [B, Hkv, S, hd], mask bool [B|1, 1, T, S] or None -> [B, H, T, hd].
+    On CPU, PyTorch's fused SDPA kernel costs milliseconds per call for T=1 (it is built for long
+    queries); two small matmuls cost microseconds. Used for decode steps and verify passes.
+    """
+    B, H, T, hd = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G * T, hd)  # heads h = kv * G + g share KV head kv
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).view(B, Hkv, G, T, S)  # [B, Hkv, G, T, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))  # mask [B|1, 1, 1, T, S]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(B, Hkv, G * T, S)
+    return torch.matmul(probs, v).view(B, H, T, hd)
+
+
+# Above this many query rows the fused SDPA kernel wins (prefill).
+_GROUPED_ATTENTION_MAX_ROWS = 128
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -62,6 +85,51 @@ class HFTarget:
             self.geometry.num_layers, self.layer_convention)
         self._check_aux_ids()
         self.eos_token_ids = self._eos_ids()
+        self._layers = self._fuse_weights() if self.geometry.model_type in SUPPORTED_MODEL_TYPES else None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin tables [P, hd]
+
+    def _fuse_weights(self) -> list[dict]:
+        """Per layer: q|k|v and gate|up concatenated into one matrix each.
+
+        Decoding a small model on CPU is bound by the number of kernel launches, not FLOPs: one matmul for
+        q/k/v and one for gate/up halves them. The HF modules' parameters are re-pointed at views of the
+        fused tensors, so HF code (``generate``, ``output_hidden_states``) keeps working and no weight is
+        stored twice.
+        """
+        layers = []
+        for layer in self.model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            projs = [a.q_proj, a.k_proj, a.v_proj]
+            wqkv = torch.cat([p.weight.detach() for p in projs], 0)
+            bqkv = torch.cat([p.bias.detach() for p in projs], 0) if a.q_proj.bias is not None else None
+            wgu = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], 0)
+            off = 0
+            for p in projs:
+                n = p.weight.shape[0]
+                p.weight.data = wqkv[off:off + n]
+                if bqkv is not None:
+                    p.bias.data = bqkv[off:off + n]
+                off += n
+            ni = mlp.gate_proj.weight.shape[0]
+            mlp.gate_proj.weight.data, mlp.up_proj.weight.data = wgu[:ni], wgu[ni:]
+            act = getattr(self.model.config, "hidden_act", "silu")
+            layers.append(dict(
+                ln1=layer.input_layernorm.weight, eps1=layer.input_layernorm.variance_epsilon,
+                ln2=layer.post_attention_layernorm.weight, eps2=layer.post_attention_layernorm.variance_epsilon,
+                wqkv=wqkv, bqkv=bqkv, wo=a.o_proj.weight, bo=a.o_proj.bias, wgu=wgu, wd=mlp.down_proj.weight,
+                act=F.silu if act == "silu" else mlp.act_fn,
+                q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None), scaling=a.scaling,
+            ))
+        return layers
+
+    def _rope_tables(self, needed: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [0, needed), computed by the model's own rotary module, grown by doubling."""
+        if self._rope is None or self._rope[0].shape[0] < needed:
+            n = max(needed, 2 * (self._rope[0].shape[0] if self._rope else 1024))
+            pos = torch.arange(n, device=like.device)[None]
+            cos, sin = self.model.model.rotary_emb(like, pos)  # [1, n, hd]
+            self._rope = (cos[0], sin[0])
+        return self._rope
 
     # ------------------------------------------------------------------------------------------------
     # construction
@@ -142,8 +210,8 @@ class HFTarget:
             position_ids = torch.arange(past, S, device=x.device)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(B, T)
-        cos, sin = m.rotary_emb(x, position_ids)  # [B, T, hd] each, in x's dtype
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, hd]
+        cos_t, sin_t = self._rope_tables(int(position_ids.max()) + 1, x)
+        cos, sin = cos_t[position_ids].unsqueeze(1), sin_t[position_ids].unsqueeze(1)  # [B, 1, T, hd]
 
         if attn_mask is None:
             # Plain causal over the new rows; a single row needs no mask at all.
@@ -153,30 +221,35 @@ class HFTarget:
                 raise ValueError(f"attn_mask must be [.., {T}, {S}] (new rows x (past + new)), got {tuple(attn_mask.shape)}")
             mask = attn_mask
         if mask is not None:
-            mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask  # [B|1, 1, T, S]
+            mask = mask.view(-1, 1, T, S)  # [B|1, 1, T, S]
 
         g = self.geometry
+        H, Hkv, hd, d = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size
         want_aux = return_aux and bool(self.aux_layer_ids)
-        capture_in = {i for i in self.aux_layer_ids} if self.layer_convention is LayerConvention.INPUT_TO else set()
-        capture_out = {i for i in self.aux_layer_ids} if self.layer_convention is LayerConvention.OUTPUT_OF else set()
+        capture_in = set(self.aux_layer_ids) if self.layer_convention is LayerConvention.INPUT_TO else set()
+        capture_out = set(self.aux_layer_ids) if self.layer_convention is LayerConvention.OUTPUT_OF else set()
         captured: dict[int, torch.Tensor] = {}
-        for li, layer in enumerate(m.layers):
+        for li, w in enumerate(self._layers):
             if want_aux and li in capture_in:
                 captured[li] = x
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(B, T, g.num_heads, g.head_dim).transpose(1, 2)  # [B, H, T, hd]
-            k = attn.k_proj(h).view(B, T, g.num_kv_heads, g.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-            v = attn.v_proj(h).view(B, T, g.num_kv_heads, g.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-            if hasattr(attn, "q_norm"):  # qwen3 normalises q/k per head before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
+            h = F.rms_norm(x, (d,), w["ln1"], w["eps1"])
+            q, k, v = F.linear(h, w["wqkv"], w["bqkv"]).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+            q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
+            k = k.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+            v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+            if w["q_norm"] is not None:  # qwen3 normalises q/k per head before RoPE
+                q, k = w["q_norm"](q), w["k_norm"](k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             if cache is not None:
                 k, v = cache.write(li, past, k, v)  # [B, Hkv, S, hd]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=g.num_kv_heads != g.num_heads)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, g.num_heads * g.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if T <= _GROUPED_ATTENTION_MAX_ROWS:
+                o = grouped_attention(q, k, v, mask, w["scaling"])  # [B, H, T, hd]
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w["scaling"], enable_gqa=Hkv != H)
+            x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * hd), w["wo"], w["bo"])
+            gate, up = F.linear(F.rms_norm(x, (d,), w["ln2"], w["eps2"]), w["wgu"]).chunk(2, dim=-1)
+            x = x + F.linear(w["act"](gate) * up, w["wd"])
             if want_aux and li in capture_out:
                 captured[li] = x
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if want_aux else None  # [B, T, 3d]

@@ -1,0 +1,173 @@
+"""Engine baseline on the embedded target, measured side by side in one run.
+
+    python experiments/engine_baseline/bench.py [--prompts 6] [--new-tokens 128] [--threads 2] [--out DIR]
+
+(a) draftlab AR tokens/s vs HF ``generate`` (greedy, same prompts, same number of new tokens), fp32 and bf16;
+(b) cost of one verify pass with k tree nodes relative to one AR step, k in {1,2,4,...,64} -> verify_cost.json;
+(c) prompt-lookup speculative decoding vs HF assisted generation with ``prompt_lookup_num_tokens`` on
+    Spec-Bench summarization and extraction prompts: tau (tokens per target pass) and tokens/s of both.
+Each row interleaves the systems prompt by prompt, so machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from draftlab.data.benchmarks import load_question_jsonl
+from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
+from draftlab.decoding.reference_drafters import PromptLookupDrafter
+from draftlab.decoding.tree import DraftTree, ancestor_mask
+from draftlab.targets import load_target
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def chat_ids(tok, text: str, max_prompt: int) -> list[int]:
+    s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tok(s, add_special_tokens=False)["input_ids"][-max_prompt:]
+
+
+def pick(questions, categories, n):
+    out = []
+    for cat in categories:
+        out += [q for q in questions if q.category == cat][:n]
+    return out
+
+
+class ForwardCounter:
+    """Counts target forward calls of an HF model (for HF's assisted-generation tau)."""
+
+    def __init__(self, model):
+        self.n = 0
+        self.h = model.register_forward_pre_hook(lambda *a, **k: self._inc())
+
+    def _inc(self):
+        self.n += 1
+
+    def close(self):
+        self.h.remove()
+
+
+def hf_generate(target, ids, n, **kw):
+    x = torch.tensor([ids])
+    out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=target.tokenizer.pad_token_id, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def part_a(target, prompts, n, label):
+    cfg = GenerationConfig(max_new_tokens=n, stop_on_eos=False)
+    ours, hf, same = [], [], 0
+    autoregressive_generate(target, prompts[0], GenerationConfig(max_new_tokens=4))  # warm-up
+    hf_generate(target, prompts[0], 4)
+    for p in prompts:
+        t0 = time.perf_counter()
+        a, _ = autoregressive_generate(target, p, cfg)
+        t1 = time.perf_counter()
+        b = hf_generate(target, p, n)
+        t2 = time.perf_counter()
+        ours.append(len(a) / (t1 - t0))
+        hf.append(len(b) / (t2 - t1))
+        same += a == b
+    mo, mh = statistics.mean(ours), statistics.mean(hf)
+    print(f"(a) {label:5s} draftlab AR {mo:6.1f} tok/s | HF generate {mh:6.1f} tok/s | ratio {mo / mh:.2f}x | "
+          f"identical outputs {same}/{len(prompts)}")
+    return {"dtype": label, "draftlab_ar_tok_s": mo, "hf_generate_tok_s": mh, "ratio": mo / mh,
+            "identical": same, "prompts": len(prompts)}
+
+
+def part_b(target, prompt, ks, reps=5):
+    cache = target.new_cache(1, len(prompt) + 256)
+    target.forward(torch.tensor([prompt]), cache=cache)
+    cache.commit(len(prompt))
+    past = cache.length
+
+    def timed(fn):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    step = timed(lambda: target.forward(torch.tensor([[prompt[-1]]]), cache=cache))
+    rows = []
+    for k in ks:
+        # A balanced-ish tree: node i hangs under node (i-1)//2; the mask and positions are what the engine uses.
+        parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)])
+        tree = DraftTree.from_parents(torch.tensor(prompt[:k] if len(prompt) >= k else [prompt[-1]] * k), parents)
+        mask = torch.cat([torch.ones(k, past, dtype=torch.bool), ancestor_mask(tree.parents)], 1)
+        t = timed(lambda: target.forward(tree.tokens[None], past + tree.depth, cache, mask))
+        rows.append({"nodes": k, "seconds": t, "relative_to_ar_step": t / step})
+    print("(b) verify pass cost relative to one AR step: " +
+          "  ".join(f"k={r['nodes']}: {r['relative_to_ar_step']:.2f}x" for r in rows) + f"  (AR step {step * 1e3:.1f} ms)")
+    return {"ar_step_seconds": step, "rows": rows}
+
+
+def part_c(target, prompts, n, num_draft):
+    cfg = GenerationConfig(max_new_tokens=n, stop_on_eos=False)
+    res = {"draftlab": {"tok_s": [], "tau": []}, "hf": {"tok_s": [], "tau": []}}
+    same = 0
+    for p in prompts:
+        t0 = time.perf_counter()
+        a, st = speculative_generate(target, p, PromptLookupDrafter(num_draft_tokens=num_draft, max_ngram=3), cfg)
+        t1 = time.perf_counter()
+        counter = ForwardCounter(target.model)
+        b = hf_generate(target, p, n, prompt_lookup_num_tokens=num_draft)
+        t2 = time.perf_counter()
+        counter.close()
+        res["draftlab"]["tok_s"].append(len(a) / (t1 - t0))
+        res["draftlab"]["tau"].append(st.tau)
+        res["hf"]["tok_s"].append(len(b) / (t2 - t1))
+        res["hf"]["tau"].append(len(b) / max(1, counter.n - 1))  # minus the prefill pass
+        same += a == b
+    out = {k: {m: statistics.mean(v) for m, v in d.items()} for k, d in res.items()}
+    print(f"(c) prompt lookup ({num_draft} tokens): draftlab tau {out['draftlab']['tau']:.2f}, "
+          f"{out['draftlab']['tok_s']:.1f} tok/s | HF prompt_lookup tau {out['hf']['tau']:.2f}, "
+          f"{out['hf']['tok_s']:.1f} tok/s | ratio {out['draftlab']['tok_s'] / out['hf']['tok_s']:.2f}x | "
+          f"identical outputs {same}/{len(prompts)}")
+    out["identical"] = same
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-prompt", type=int, default=1024)
+    ap.add_argument("--parts", default="abc")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    ap.add_argument("--specbench", default=str(ROOT.parent / "shared/data/spec_bench/question.jsonl"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    qs = load_question_jsonl(args.specbench)
+    report = {"threads": args.threads, "new_tokens": args.new_tokens, "torch": torch.__version__}
+    target = load_target("asset:smollm2-135m-instruct")
+    tok = target.tokenizer
+    mixed = [chat_ids(tok, q.turns[0], args.max_prompt) for q in pick(qs, ["writing", "qa", "math_reasoning"], args.prompts)][: args.prompts]
+    if "a" in args.parts:
+        report["a"] = [part_a(target, mixed, args.new_tokens, "fp32")]
+        bf16 = load_target("asset:smollm2-135m-instruct", dtype="bfloat16")
+        report["a"].append(part_a(bf16, mixed, args.new_tokens, "bf16"))
+        del bf16
+    if "b" in args.parts:
+        report["b"] = part_b(target, mixed[0], [1, 2, 4, 8, 16, 32, 64])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "verify_cost.json").write_text(json.dumps(report["b"], indent=2))
+    if "c" in args.parts:
+        sx = [chat_ids(tok, q.turns[0], args.max_prompt) for q in pick(qs, ["summarization", "extraction"], max(1, args.prompts // 2))]
+        report["c"] = part_c(target, sx, args.new_tokens, num_draft=10)
+    Path(args.out, "results.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}/results.json")
+
+
+if __name__ == "__main__":
+    main()
