@@ -87,6 +87,10 @@ class HFTarget:
         self.eos_token_ids = self._eos_ids()
         self._layers = self._fuse_weights() if self.geometry.model_type in SUPPORTED_MODEL_TYPES else None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin tables [P, hd]
+        # For a single row, MKL's x @ W^T is about twice as fast with W^T stored contiguously (measured on
+        # the 49k x 576 LM head: 7.8 vs 14.2 ms), and the LM head is ~20% of a decode step's bytes. Worth
+        # one extra copy of that matrix; with more rows the plain layout is faster again.
+        self._lm_head_t = self.model.lm_head.weight.detach().t().contiguous() if self._layers else None  # [d, V]
 
     def _fuse_weights(self) -> list[dict]:
         """Per layer: q|k|v and gate|up concatenated into one matrix each.
@@ -253,8 +257,11 @@ class HFTarget:
             if want_aux and li in capture_out:
                 captured[li] = x
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if want_aux else None  # [B, T, 3d]
-        hidden = m.norm(x if logits_rows is None else x[:, logits_rows])
-        logits = self.model.lm_head(hidden)  # [B, T|R, V]
+        hidden = m.norm(x if logits_rows is None else x[:, logits_rows])  # [B, T|R, d]
+        if hidden.shape[0] * hidden.shape[1] == 1 and self.model.lm_head.bias is None:
+            logits = hidden @ self._lm_head_t  # [1, 1, V]
+        else:
+            logits = self.model.lm_head(hidden)  # [B, T|R, V]
         return TargetOutput(logits=logits, aux_hidden=aux, last_hidden=hidden if return_last_hidden else None)
 
     __call__ = forward

@@ -1,0 +1,371 @@
+"""The EAGLE-3 draft model: fc fusion of three target hidden states, one 2d-input Llama layer, a V_d head.
+
+Parameter and buffer names are exactly those of the native EAGLE-3 / SpecForge / SGLang checkpoint
+(``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``; ``embed_tokens.weight``
+is the frozen target embedding and is optional in exports), so exporting is an identity map.
+
+Attention is pluggable: the layer computes rotated q/k/v and hands them to an *attention object*
+``attn(layer, q, k, v, scale) -> out``. The same module then serves
+
+- training-time test (``ttt.TTTAttention``: causal over step-0 keys plus the same position's keys from
+  later steps),
+- a plain causal pass (``CausalAttention``), and
+- inference against a persistent draft KV cache (``CacheAttention`` over ``draftlab.decoding.KVCache``,
+  with an explicit tree mask),
+
+without the layer knowing which one it runs under.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftlab.decoding.cache import KVCache
+from draftlab.methods.eagle3.config import Eagle3Config
+
+
+# Softmax / norm precision: at least fp32, but fp64 stays fp64 (gradient checks run in double).
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in (at least) fp32 and scale in the input dtype, as Llama does.
+        y = F.rms_norm(x.to(_compute_dtype(x.dtype)), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (fp64) for plain, ``linear`` or ``llama3`` RoPE."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [hd/2]
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv
+    if rope_type == "linear":
+        # Positions divided by the factor == frequencies divided by it.
+        return inv / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        # Long wavelengths (beyond the original context / low) are slowed by the full factor, short ones
+        # (below context / high) are kept, and the band in between is interpolated linearly in ctx/wavelen.
+        smooth = ((ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        scaled = (1 - smooth) * inv / factor + smooth * inv
+        return torch.where(wavelen > ctx / low, inv / factor, torch.where(wavelen < ctx / high, inv, scaled))
+    raise NotImplementedError(f"rope_type '{rope_type}' is not supported by the EAGLE-3 draft (default, linear, llama3)")
+
+
+class Rotary(nn.Module):
+    """Llama rotary embedding with explicit positions; holds no state_dict entries (exports stay clean)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None):
+        super().__init__()
+        # A plain attribute, not a buffer: ``model.to(bf16)`` must not round the frequencies.
+        self._inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [hd/2] fp64
+        self._cached: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[B, 1, T, hd]`` for ``position_ids [B, T]``."""
+        ct = _compute_dtype(dtype)
+        key = (position_ids.device, ct)
+        inv = self._cached.get(key)
+        if inv is None:
+            inv = self._cached[key] = self._inv_freq.to(device=position_ids.device, dtype=ct)
+        freqs = position_ids.to(ct)[..., None] * inv  # [B, T, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, hd]
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, hd]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+# ------------------------------------------------------------------------------------------------------
+# attention back-ends
+
+
+class DraftAttention(Protocol):
+    """How a draft layer attends: ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]`` (rotated) -> ``[B, H, T, hd]``."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """Grouped-query softmax attention with an explicit boolean mask.
+
+    q [B, H, T, hd], k/v [B, Hkv, S, hd], mask bool [B|1, T, S] (True = may attend) or None -> [B, H, T, hd].
+    Masked scores are set to the dtype's minimum rather than -inf, so a row with nothing to attend to
+    (a left-padding query) yields a finite, ignored output instead of NaNs that poison gradients.
+    """
+    B, H, T, hd = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G * T, hd)  # heads h = kv * G + g share KV head kv
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(B, Hkv, G, T, S)  # [B, Hkv, G, T, S]
+    scores = scores.to(_compute_dtype(scores.dtype)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask.reshape(-1, 1, 1, T, S), torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, Hkv, G * T, S)
+    return torch.matmul(probs, v).view(B, H, T, hd)
+
+
+def causal_mask(T: int, attention_mask: torch.Tensor | None = None, *,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """bool ``[B|1, T, T]``: causal, and (given ``attention_mask [B, T]``, 1 = real) no padded keys."""
+    if attention_mask is not None:
+        device = attention_mask.device
+    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]  # [1, T, T]
+    if attention_mask is not None:
+        mask = mask & attention_mask.bool()[:, None, :]  # [B, T, T]
+    return mask
+
+
+class CausalAttention:
+    """Plain causal attention over the rows of one call (plus a key padding mask); keeps no state."""
+
+    def __init__(self, attention_mask: torch.Tensor | None = None):
+        self.attention_mask = attention_mask
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        mask = causal_mask(q.shape[2], self.attention_mask, device=q.device)
+        return masked_attention(q, k, v, mask, scale)
+
+
+class CacheAttention:
+    """Attention against a draft KV cache (``draftlab.decoding.KVCache``, one slot per draft layer).
+
+    The call's T rows are written to the cache's scratch slots ``[length, length + T)`` and attend to
+    ``[0, length + T)`` under ``attn_mask`` (bool ``[T, S]`` or ``[B, T, S]``, ``S = length + T``; default
+    causal). Nothing becomes context until the caller runs ``cache.commit(n)`` / ``commit_rows`` after
+    the forward, which is what lets a drafter expand tree frontiers and then keep only accepted rows.
+    """
+
+    def __init__(self, cache: KVCache, attn_mask: torch.Tensor | None = None):
+        self.cache = cache
+        self.attn_mask = attn_mask
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        T = q.shape[2]
+        past = self.cache.reserve(T)
+        k_all, v_all = self.cache.write(layer, past, k, v)  # [B, Hkv, past + T, hd]
+        S = past + T
+        mask = self.attn_mask
+        if mask is None:
+            mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
+        elif mask.shape[-2:] != (T, S):
+            raise ValueError(f"attn_mask must be [.., {T}, {S}] (new rows x (cached + new)), got {tuple(mask.shape)}")
+        return masked_attention(q, k_all, v_all, mask, scale)
+
+
+# ------------------------------------------------------------------------------------------------------
+# modules
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: Eagle3Config, in_features: int):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim ** -0.5
+        self.q_proj = nn.Linear(in_features, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: DraftAttention,
+                layer: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
+        k = self.k_proj(x).view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = attention(layer, q, k, v, self.scale)  # [B, H, T, hd]
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * hd))  # [B, T, d]
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """``first=True``: the EAGLE-3 midlayer (q/k/v read [norm(emb); norm(h)], 2d wide); otherwise a plain
+    Llama layer on the d-dim residual stream (additional layers see no embedding, as in vLLM/SGLang)."""
+
+    def __init__(self, config: Eagle3Config, first: bool):
+        super().__init__()
+        c, d = config, config.hidden_size
+        self.first = first
+        self.norm_before_residual = c.norm_before_residual and first
+        self.input_layernorm = RMSNorm(d, c.rms_norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
+        self.self_attn = Eagle3Attention(c, 2 * d if first else d)
+        self.post_attention_layernorm = RMSNorm(d, c.rms_norm_eps)
+        self.mlp = Eagle3MLP(d, c.intermediate_size)
+
+    def forward(self, emb: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: DraftAttention, layer: int) -> torch.Tensor:
+        if self.first:
+            h_norm = self.hidden_norm(hidden)  # [B, T, d]
+            x = torch.cat([self.input_layernorm(emb), h_norm], dim=-1)  # [B, T, 2d]
+            residual = h_norm if self.norm_before_residual else hidden
+        else:
+            x, residual = self.input_layernorm(hidden), hidden
+        h = residual + self.self_attn(x, cos, sin, attention, layer)  # [B, T, d]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, d]
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft head (see the module docstring for names and the attention plumbing)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        c = self.config = config
+        d, dt = c.hidden_size, c.target_hidden_size
+        # Copied from the target and frozen (load_target_embedding); serving reuses the target's own.
+        self.embed_tokens = nn.Embedding(c.vocab_size, d)
+        self.embed_tokens.weight.requires_grad_(False)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(dt, c.rms_norm_eps) for _ in range(3))
+        if c.norm_before_fc:
+            self.input_norm = RMSNorm(3 * dt, c.rms_norm_eps)
+        self.fc = nn.Linear(3 * dt, d, bias=False)
+        self.midlayer = Eagle3DecoderLayer(c, first=True)
+        # Named additional_layers.{i} (i from 0) for layers 2..num_layers; empty for the native 1-layer draft.
+        self.additional_layers = nn.ModuleList(Eagle3DecoderLayer(c, first=False) for _ in range(c.num_layers - 1))
+        self.norm = RMSNorm(d, c.rms_norm_eps)
+        self.lm_head = nn.Linear(d, c.draft_vocab_size, bias=False)
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
+        # Identity mapping until a real one is set: draft id i <-> target id i.
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))  # [V_d]
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)  # [V]
+        t2d[: c.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    # ---- construction helpers ------------------------------------------------------------------------
+
+    @classmethod
+    def from_target(cls, target, *, vocab_mapping=None, draft_vocab_size: int | None = None,
+                    **config_kwargs) -> Eagle3Draft:
+        """Draft sized like ``target``, with its embedding copied and frozen and ``vocab_mapping`` installed.
+
+        ``config_kwargs`` go to ``Eagle3Config.from_target`` (aux ids, convention, any field override).
+        """
+        if vocab_mapping is not None:
+            draft_vocab_size = vocab_mapping.draft_vocab_size
+        if draft_vocab_size is None:
+            raise ValueError("give vocab_mapping or draft_vocab_size")
+        draft = cls(Eagle3Config.from_target(target, draft_vocab_size=draft_vocab_size, **config_kwargs))
+        draft.load_target_embedding(target)
+        if vocab_mapping is not None:
+            draft.set_vocab_mapping(vocab_mapping)
+        return draft
+
+    @torch.no_grad()
+    def load_target_embedding(self, target) -> None:
+        """Copy the target's input embedding (``[V, d]``) into ``embed_tokens`` and freeze it."""
+        model = getattr(target, "model", target)
+        weight = model.get_input_embeddings().weight
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            # EAGLE skips the copy when target and draft widths differ; silently training on a random
+            # frozen embedding is worse than failing, so ask for an explicit decision instead.
+            raise ValueError(f"target embedding {tuple(weight.shape)} does not fit the draft's "
+                             f"{tuple(self.embed_tokens.weight.shape)}")
+        self.embed_tokens.weight.copy_(weight)
+        self.embed_tokens.weight.requires_grad_(False)
+
+    @torch.no_grad()
+    def set_vocab_mapping(self, mapping) -> None:
+        """Install a ``draftlab.data.vocab.VocabMapping`` (``d2t [V_d]``, ``t2d [V]``)."""
+        if mapping.d2t.shape != self.d2t.shape or mapping.t2d.shape != self.t2d.shape:
+            raise ValueError(f"vocab mapping sizes (V_d={mapping.d2t.numel()}, V={mapping.t2d.numel()}) do not "
+                             f"match the draft (V_d={self.d2t.numel()}, V={self.t2d.numel()})")
+        self.d2t.copy_(mapping.d2t)
+        self.t2d.copy_(mapping.t2d)
+
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        """A preallocated draft KV cache (one slot per draft layer) for ``CacheAttention``."""
+        c, w = self.config, self.fc.weight
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, max_length, dtype=w.dtype, device=w.device)
+
+    def target_ids(self) -> torch.Tensor:
+        """Target id of every draft id (``d2t + arange(V_d)``), i.e. what each lm_head row predicts."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)  # [V_d]
+
+    # ---- forward --------------------------------------------------------------------------------------
+
+    def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """Fuse the concatenated target states ``[B, T, 3*d_t]`` into ``g [B, T, d]`` (variant norm, then fc)."""
+        x = aux_hidden.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            chunks = x.chunk(3, dim=-1)  # 3 x [B, T, d_t]
+            x = torch.cat([norm(h) for norm, h in zip(self.fc_norm, chunks)], dim=-1)  # [B, T, 3*d_t]
+        elif self.config.norm_before_fc:
+            x = self.input_norm(x)
+        return self.fc(x)  # [B, T, d]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits ``[B, T, V_d]`` from the pre-norm hidden state."""
+        return self.lm_head(self.norm(hidden) if self.config.norm_output else hidden)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention: DraftAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.config.hidden_size
+        if hidden.shape[-1] != d:
+            # Target features (3*d_t) go through fc; the draft's own fed-back state (d) does not (sec. 1.2).
+            hidden = self.project(hidden)  # [B, T, d]
+        hidden = hidden.to(self.fc.weight.dtype)
+        B, T = input_ids.shape
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0).expand(B, T)
+        attention = attention if attention is not None else CausalAttention()
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, d]
+        cos, sin = self.rotary(position_ids, hidden.dtype)  # [B, 1, T, hd]
+        h = self.midlayer(emb, hidden, cos, sin, attention, 0)  # [B, T, d]
+        for i, layer in enumerate(self.additional_layers, start=1):
+            h = layer(None, h, cos, sin, attention, i)
+        return h, self.compute_logits(h)
+
+    def forward_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                     attention: DraftAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass over T rows; returns ``(hidden [B, T, d] pre-norm, logits [B, T, V_d])``.
+
+        input_ids    [B, T] target-vocabulary tokens (the token each row consumes).
+        hidden       [B, T, 3*d_t] target features (projected by fc) or [B, T, d] draft states (fed back).
+        position_ids [B, T] or [T], explicit (TTT step k passes ``positions + k``; trees pass depth offsets).
+        attention    a ``DraftAttention``: ``CausalAttention`` (default), ``ttt.TTTAttention`` or
+                     ``CacheAttention``. Runs through ``__call__``, so module hooks (FSDP, profilers) fire.
+        The returned hidden state is the pre-norm residual stream, the one fed to the next draft step.
+        """
+        return self(input_ids, hidden, position_ids, attention)

@@ -1,0 +1,267 @@
+"""Training-time test (TTT) for EAGLE-3: the unrolled multi-step loss with EAGLE/SpecForge numerics.
+
+Alignment (reference section 2.1/2.2). With target features ``F_t`` (context ``x_0..x_t``):
+
+- step 0, row t consumes ``Emb(x_{t+1})`` and ``fc(F_t)`` and is trained on ``target_logits[t+1]``
+  (the target's distribution of ``x_{t+2}``), weighted by ``loss_mask[t]`` (EAGLE/SpecForge do not shift
+  the loss mask at step 0);
+- step k, row t consumes the ground-truth ``Emb(x_{t+k+1})`` and the draft's own output state of step
+  k-1 at the same row, is trained on ``target_logits[t+k+1]`` and weighted by ``loss_mask[t+k]``.
+  Everything shifted past the end is zero-padded (and therefore masked).
+
+Attention at step k ("prefix + diagonal", section 2.3): row t attends causally to the STEP-0 keys
+``s <= t`` (minus padded keys) plus its own keys from steps 1..k; q/k of step k are rotated with
+``position + k``. ``ttt_attention`` computes the diagonal terms elementwise; ``naive_ttt_attention``
+builds the explicit ``[T, (k+1)*T]`` mask over concatenated keys and is the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from draftlab.methods.eagle3.model import causal_mask, masked_attention
+
+NORMALIZATIONS = ("batch_tokens", "mask_sum")
+
+
+# ------------------------------------------------------------------------------------------------------
+# attention
+
+
+def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                  attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Prefix + diagonal attention of TTT step ``k = len(keys) - 1``.
+
+    q [B, H, T, hd]; keys/values: per step 0..k, each [B, Hkv, T, hd]; attention_mask [B, T] (1 = real)
+    or None -> [B, H, T, hd]. Scores against step-0 keys are one [T, T] matmul under a causal + padding
+    mask; the k diagonal scores are ``(q * k_i).sum(-1)``, so no [T, (k+1)T] mask or score block exists.
+    """
+    B, H, T, hd = q.shape
+    Hkv = keys[0].shape[1]
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G, T, hd)  # heads h = kv * G + g share KV head kv
+    prefix = torch.matmul(q.reshape(B, Hkv, G * T, hd), keys[0].transpose(-1, -2)).view(B, Hkv, G, T, T)
+    ct = torch.promote_types(prefix.dtype, torch.float32)
+    prefix = prefix.to(ct) * scale  # [B, Hkv, G, T, T]
+    mask = causal_mask(T, attention_mask, device=q.device)  # [B|1, T, T]
+    prefix = prefix.masked_fill(~mask[:, None, None], torch.finfo(ct).min)
+    if len(keys) > 1:
+        diag = torch.stack([(qg * k_i[:, :, None]).sum(-1) for k_i in keys[1:]], dim=-1)  # [B, Hkv, G, T, k]
+        scores = torch.cat([prefix, diag.to(ct) * scale], dim=-1)  # [B, Hkv, G, T, T + k]
+    else:
+        scores = prefix
+    probs = torch.softmax(scores, dim=-1).to(values[0].dtype)  # [B, Hkv, G, T, T + k]
+    out = torch.matmul(probs[..., :T].reshape(B, Hkv, G * T, T), values[0]).view(B, Hkv, G, T, hd)
+    for i, v_i in enumerate(values[1:]):
+        out = out + probs[..., T + i, None] * v_i[:, :, None]  # [B, Hkv, G, T, hd]
+    return out.reshape(B, H, T, hd)
+
+
+def ttt_attention_mask(T: int, num_steps: int, attention_mask: torch.Tensor | None = None, *,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """Explicit TTT mask bool ``[B|1, T, num_steps * T]`` over keys concatenated step-major (0, 1, .., k).
+
+    Block 0 is causal minus padded keys; blocks 1..k are the identity (a row sees its own later keys).
+    """
+    prefix = causal_mask(T, attention_mask, device=device)  # [B|1, T, T]
+    eye = torch.eye(T, dtype=torch.bool, device=prefix.device).expand(prefix.shape[0], T, T)
+    return torch.cat([prefix] + [eye] * (num_steps - 1), dim=-1)
+
+
+def naive_ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                        attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Brute-force reference for ``ttt_attention``: concatenated keys under ``ttt_attention_mask``."""
+    k_all = torch.cat(list(keys), dim=2)  # [B, Hkv, (k+1)T, hd]
+    v_all = torch.cat(list(values), dim=2)  # [B, Hkv, (k+1)T, hd]
+    mask = ttt_attention_mask(q.shape[2], len(keys), attention_mask, device=q.device)  # [B|1, T, (k+1)T]
+    return masked_attention(q, k_all, v_all, mask, scale)
+
+
+class TTTAttention:
+    """``DraftAttention`` for the unrolled loop: every call of a layer is the next TTT step.
+
+    Keeps each layer's rotated keys/values of all steps so far (autograd holds them anyway).
+    ``naive=True`` switches to the brute-force reference.
+    """
+
+    def __init__(self, attention_mask: torch.Tensor | None = None, *, naive: bool = False):
+        self.attention_mask = attention_mask
+        self.naive = naive
+        self.keys: dict[int, list[torch.Tensor]] = {}
+        self.values: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.keys.get(0, []))
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        keys, values = self.keys.setdefault(layer, []), self.values.setdefault(layer, [])
+        keys.append(k)
+        values.append(v)
+        fn = naive_ttt_attention if self.naive else ttt_attention
+        return fn(q, keys, values, self.attention_mask, scale)
+
+
+# ------------------------------------------------------------------------------------------------------
+# loss and metrics
+
+
+@dataclass
+class TTTOutput:
+    """Weighted TTT loss and per-step statistics.
+
+    ``per_step[k]`` holds 0-dim tensors (no host sync; only ``loss`` carries gradient):
+
+    - ``loss``: step loss as normalised; ``loss_sum``/``loss_denom`` give it back and aggregate across batches;
+    - ``acc`` = ``correct / count``; ``cond_acc`` = ``cond_correct / cond_count``;
+      ``acceptance_rate`` = ``accept_sum / count`` (definitions in ``ttt_forward``).
+    Aggregate over batches by summing the numerators and denominators, never by averaging ratios.
+    """
+
+    loss: torch.Tensor
+    per_step: list[dict[str, torch.Tensor]]
+    weights: list[float] = field(default_factory=list)
+
+    def metric(self, name: str) -> list[float]:
+        """Per-step values of ``name`` as Python floats (syncs with the device)."""
+        return [float(s[name]) for s in self.per_step]
+
+
+# out[:, t] = x[:, t + n], zeros past the end: EAGLE's ``padding(.., left=False)`` applied n times.
+def _shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    if n == 0:
+        return x
+    out = torch.zeros_like(x)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target_logits: torch.Tensor,
+                loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None, *, ttt_length: int = 7,
+                step_weight: float = 0.8, normalization: str = "batch_tokens",
+                position_ids: torch.Tensor | None = None, naive: bool = False) -> TTTOutput:
+    """Unrolled EAGLE-3 training-time test over ``ttt_length`` steps.
+
+    draft          an ``Eagle3Draft`` (anything with ``forward_step`` and ``d2t``/``t2d`` buffers).
+    input_ids      [B, T] tokens x_0..x_{T-1}; aux_hidden [B, T, 3*d_t] target features F_t (unshifted).
+    target_logits  [B, T, V] target logits at each position (row t = distribution of x_{t+1}; unshifted).
+    loss_mask      [B, T] (1 = assistant token); attention_mask [B, T] (1 = real token) or None.
+    step_weight    step k's loss is weighted by ``step_weight ** k`` (EAGLE/SpecForge 0.8; speculators 1.0).
+    normalization  ``batch_tokens``: divide each step's summed loss by B*T (EAGLE/SpecForge, padding
+                   included); ``mask_sum``: by that step's ``sum(lm_k)`` (speculators; defined below).
+    position_ids   [B, T] RoPE positions of step 0 (default 0..T-1); step k uses ``position_ids + k``.
+    naive          use the brute-force concatenated-key attention (reference / benchmarks).
+
+    Per step k (all sums over batch and rows), ``lm_k[t] = loss_mask[t + k] * attention_mask[t + k + 1]``:
+    EAGLE's unshifted-then-shifted loss mask, and additionally zero where the target row t+k+1 is padding
+    or past the end. The extra factor changes nothing when the last real token has loss_mask 0 (SpecForge
+    forces that); otherwise it stops EAGLE's training on padded target logits.
+
+    - ``p = softmax(z[draft ids])``: target logits restricted to the draft vocabulary (draft id i is
+      target id ``i + d2t[i]``) and renormalised; ``q = softmax(draft logits)``.
+    - ``pos_mask = t2d[argmax z] * lm_k``: rows whose full-vocabulary target argmax the draft cannot emit
+      are dropped from the loss.
+    - ``loss_k = -sum(pos_mask * sum_v p_v log q_v) / denom``; total ``sum_k step_weight**k * loss_k``.
+    - ``acc_k`` (EAGLE / SpecForge v0.2 definition): ``sum([argmax q == argmax p] * pos_mask) / sum(lm_k)``,
+      i.e. the draft's greedy token equals the target's greedy token, out-of-draft-vocab targets count as
+      misses, and the denominator is all loss-masked rows.
+    - ``cond_acc_k``: the same, restricted to rows whose steps 0..k-1 were all correct (the chance that
+      draft token k+1 is accepted given the first k were, under greedy verification).
+    - ``acceptance_rate_k``: loss-masked mean over rows of ``sum_{v in draft vocab} min(p_full_v, q_v)``
+      with ``p_full = softmax(z)`` over the full vocabulary (not renormalised). Since q puts no mass
+      outside the draft vocabulary, this is ``1 - TV(p_full, q)``: the probability that a token sampled
+      from q is accepted by speculative sampling at temperature 1 (teacher-forced context).
+    """
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got '{normalization}'")
+    if ttt_length < 1:
+        raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
+    B, T = input_ids.shape
+    if aux_hidden.shape[:2] != (B, T) or target_logits.shape[:2] != (B, T) or loss_mask.shape != (B, T):
+        raise ValueError(f"shape mismatch: input_ids {tuple(input_ids.shape)}, aux_hidden {tuple(aux_hidden.shape)}, "
+                         f"target_logits {tuple(target_logits.shape)}, loss_mask {tuple(loss_mask.shape)}")
+    if target_logits.shape[-1] != draft.t2d.numel():
+        raise ValueError(f"target_logits have V={target_logits.shape[-1]} but the draft's t2d has {draft.t2d.numel()}")
+    device = input_ids.device
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+    if position_ids is None:
+        position_ids = torch.arange(T, device=device).expand(B, T)
+    loss_mask = loss_mask.to(device=device, dtype=torch.float32)
+    # A row can only be trained when its target position exists and is a real token.
+    has_target_all = (attention_mask.float() if attention_mask is not None
+                      else torch.ones(B, T, device=device))  # [B, T]
+
+    with torch.no_grad():
+        z = target_logits.to(torch.promote_types(target_logits.dtype, torch.float32))  # [B, T, V]
+        draft_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)  # [V_d]
+        z_d = z.index_select(-1, draft_ids.to(z.device))  # [B, T, V_d]
+        lse_d = torch.logsumexp(z_d, dim=-1, keepdim=True)  # [B, T, 1]
+        p_all = torch.exp(z_d - lse_d)  # [B, T, V_d] renormalised over the draft vocab
+        p_full_all = torch.exp(z_d - torch.logsumexp(z, dim=-1, keepdim=True))  # [B, T, V_d] full softmax mass
+        in_draft_all = draft.t2d.to(z.device)[z.argmax(-1)].float()  # [B, T]
+        target_arg_all = z_d.argmax(-1)  # [B, T] draft id of the target's (draft-vocab) argmax
+        del z, z_d
+
+    denom_bt = torch.tensor(float(B * T), device=device)
+    attention = TTTAttention(attention_mask, naive=naive)
+    hidden = aux_hidden  # 3*d_t at step 0 (forward_step runs fc), the draft's own d-dim state afterwards
+    prev_correct = torch.ones(B, T, dtype=torch.bool, device=device)
+    total = None
+    per_step: list[dict[str, torch.Tensor]] = []
+    weights = [step_weight ** k for k in range(ttt_length)]
+    for k in range(ttt_length):
+        ids_k = _shift_left(input_ids, k + 1)  # [B, T] row t consumes x_{t+k+1}
+        hidden, logits = draft.forward_step(ids_k, hidden, position_ids + k, attention)  # [B, T, d], [B, T, V_d]
+        p = _shift_left(p_all, k + 1)  # [B, T, V_d] row t targets x_{t+k+2}
+        lm = _shift_left(loss_mask, k) * _shift_left(has_target_all, k + 1)  # [B, T]
+        pos_mask = lm * _shift_left(in_draft_all, k + 1)  # [B, T]
+
+        logq = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # [B, T, V_d]
+        ce = -(p * logq).sum(-1)  # [B, T]
+        loss_sum = (ce * pos_mask).sum()
+        denom = denom_bt if normalization == "batch_tokens" else lm.sum().clamp_min(1.0)
+        loss_k = loss_sum / denom
+        total = weights[k] * loss_k if total is None else total + weights[k] * loss_k
+
+        with torch.no_grad():
+            # The draft's greedy token is the target's greedy token (impossible when the latter is outside
+            # the draft vocabulary). Judged independently of the loss mask, so that a chain crossing a
+            # masked token is still conditioned on what the draft actually predicted there.
+            match = (logq.argmax(-1) == _shift_left(target_arg_all, k + 1)) & (_shift_left(in_draft_all, k + 1) > 0)
+            count = lm.sum()
+            n_correct = (match.float() * lm).sum()  # == sum([argmax q == argmax p] * pos_mask)
+            cond_rows = (lm > 0) & prev_correct  # [B, T]
+            cond_count = cond_rows.sum().float()
+            cond_correct = (match & cond_rows).sum().float()
+            accept = torch.minimum(_shift_left(p_full_all, k + 1), logq.exp()).sum(-1)  # [B, T]
+            accept_sum = (accept * lm).sum()
+            prev_correct = prev_correct & match
+            per_step.append(dict(
+                loss=loss_k, loss_sum=loss_sum.detach(), loss_denom=denom.detach().float(),
+                acc=n_correct / count.clamp_min(1.0), correct=n_correct, count=count,
+                cond_acc=cond_correct / cond_count.clamp_min(1.0), cond_correct=cond_correct, cond_count=cond_count,
+                acceptance_rate=accept_sum / count.clamp_min(1.0), accept_sum=accept_sum,
+            ))
+    return TTTOutput(loss=total, per_step=per_step, weights=weights)
+
+
+def simulated_tau(acc: Sequence[float], *, include_bonus: bool = True) -> float:
+    """Expected tokens per verify step of a greedy draft chain: ``1 + sum_k prod_{j<=k} acc_j``.
+
+    SpecForge's ``simulated_acc_len`` is the sum without the 1. Here the bonus token the target emits
+    every round is counted (``include_bonus=True``), so the value is on the same scale as Spec-Bench /
+    EAGLE τ (new tokens per verify step) and as ``DecodeStats`` of the engine. The product is exact when
+    ``acc`` are conditional accuracies (``cond_acc``); with EAGLE's unconditional ``acc`` it is
+    SpecForge's approximation.
+    """
+    tau, run = 0.0, 1.0
+    for a in acc:
+        run *= float(a)
+        tau += run
+    return tau + (1.0 if include_bonus else 0.0)

@@ -1,0 +1,32 @@
+"""The data stage end to end on the tiny target, through the real configs; a re-run reuses everything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.test_configs import _compose
+
+
+def test_data_stage_runs_and_reuses_artifacts(tmp_path, monkeypatch):
+    from draftlab.stages.data import run_data_stage
+
+    monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
+    overrides = ["target=tiny_random", "debug=default", "regen.max_new_tokens=4", "vocab.draft_vocab_size=256"]
+    cfg = _compose(overrides, tmp_path)
+    first = run_data_stage(cfg)
+    assert first.regen_report.complete and first.regen_report.success == 8
+    assert first.regen_report.resumed_done == 0
+    assert len(first.samples) == first.render_report.kept > 0
+    assert first.vocab.d2t.numel() == 256 and 0 < first.vocab.coverage <= 1
+    second = run_data_stage(_compose(overrides, tmp_path))
+    assert second.regen_report.resumed_done == 8 and second.regen_report.new_tokens == 0
+    assert second.data_key == first.data_key
+    assert [s.input_ids for s in second.samples] == [s.input_ids for s in first.samples]
+
+
+def test_cli_entry_point_composes(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "draftlab.cli.data", "--cfg", "job", "experiment=quickstart"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "task_name: quickstart" in out.stdout and "max_new_tokens: 96" in out.stdout
