@@ -28,7 +28,11 @@ def _check_aux_against_hf(target, ids, convention):
     d = target.geometry.hidden_size
     for j, i in enumerate(ids):
         want = ref.hidden_states[to_hf_hidden_index(i, convention)]
-        torch.testing.assert_close(out.aux_hidden[..., j * d:(j + 1) * d], want, rtol=1e-5, atol=1e-5)
+        # Fused q|k|v and gate|up matmuls round differently from HF's separate ones: ~3e-5 after 30 layers.
+        # A wrong layer index differs by O(1), so this tolerance still pins the convention down.
+        torch.testing.assert_close(out.aux_hidden[..., j * d:(j + 1) * d], want, rtol=1e-4, atol=1e-4)
+        neighbour = ref.hidden_states[to_hf_hidden_index(i, convention) + 1]  # off by one: must not match
+        assert (out.aux_hidden[..., j * d:(j + 1) * d] - neighbour).abs().max() > 1e-2
     torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=1e-4)
 
 
