@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--parts", default="abc")
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], help="dtypes for part (a)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
     ap.add_argument("--specbench", default=str(ROOT.parent / "shared/data/spec_bench/question.jsonl"))
     args = ap.parse_args()
@@ -175,10 +176,10 @@ def main() -> None:
     tok = target.tokenizer
     mixed = [chat_ids(tok, q.turns[0], args.max_prompt) for q in pick(qs, ["writing", "qa", "math_reasoning"], args.prompts)][: args.prompts]
     if "a" in args.parts:
-        report["a"] = [part_a(target, mixed, args.new_tokens, "fp32")]
-        bf16 = load_target("asset:smollm2-135m-instruct", dtype="bfloat16")
-        report["a"].append(part_a(bf16, mixed, args.new_tokens, "bf16"))
-        del bf16
+        report["a"] = []
+        for dt in args.dtypes:
+            t = target if dt == "fp32" else load_target("asset:smollm2-135m-instruct", dtype=dt)
+            report["a"].append(part_a(t, mixed, args.new_tokens, dt))
     if "b" in args.parts:
         report["b"] = part_b(target, mixed[0], [1, 2, 4, 8, 16, 32, 64])
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -186,6 +187,7 @@ def main() -> None:
     if "c" in args.parts:
         sx = [chat_ids(tok, q.turns[0], args.max_prompt) for q in pick(qs, ["summarization", "extraction"], max(1, args.prompts // 2))]
         report["c"] = part_c(target, sx, args.new_tokens, num_draft=10)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "results.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}/results.json")
 

@@ -90,7 +90,9 @@ class HFTarget:
         # For a single row, MKL's x @ W^T is about twice as fast with W^T stored contiguously (measured on
         # the 49k x 576 LM head: 7.8 vs 14.2 ms), and the LM head is ~20% of a decode step's bytes. Worth
         # one extra copy of that matrix; with more rows the plain layout is faster again.
-        self._lm_head_t = self.model.lm_head.weight.detach().t().contiguous() if self._layers else None  # [d, V]
+        # fp32 only: for bf16 that layout has no fast kernel here and is several times slower.
+        fast = self._layers is not None and self.dtype == torch.float32 and self.model.lm_head.bias is None
+        self._lm_head_t = self.model.lm_head.weight.detach().t().contiguous() if fast else None  # [d, V]
 
     def _fuse_weights(self) -> list[dict]:
         """Per layer: q|k|v and gate|up concatenated into one matrix each.
@@ -258,7 +260,7 @@ class HFTarget:
                 captured[li] = x
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if want_aux else None  # [B, T, 3d]
         hidden = m.norm(x if logits_rows is None else x[:, logits_rows])  # [B, T|R, d]
-        if hidden.shape[0] * hidden.shape[1] == 1 and self.model.lm_head.bias is None:
+        if self._lm_head_t is not None and hidden.shape[0] * hidden.shape[1] == 1:
             logits = hidden @ self._lm_head_t  # [1, 1, V]
         else:
             logits = self.model.lm_head(hidden)  # [B, T|R, V]
