@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PRIMARY = "data_stage"
 # Groups that the primary config does not select by default are appended with "+group=option".
-APPENDED = {"trainer", "logger", "callbacks", "bench"}
+APPENDED = {"trainer", "logger", "callbacks", "bench", "method"}
 
 
 def _options():
@@ -39,7 +39,7 @@ def _compose(overrides, tmp_path) -> DictConfig:
 
 def test_every_config_file_is_covered():
     groups = {g.split("/")[0] for g, _ in _options()}
-    assert {"target", "data", "bench", "trainer", "logger", "callbacks", "experiment", "debug"} <= groups
+    assert {"target", "data", "bench", "method", "trainer", "logger", "callbacks", "experiment", "debug"} <= groups
 
 
 @pytest.mark.parametrize(("group", "name"), list(_options()))
@@ -74,6 +74,10 @@ def test_compose_and_instantiate(group, name, tmp_path, monkeypatch):
                               **({"devices": 1, "accelerator": "cpu", "strategy": "auto"}
                                  if name in {"ddp", "ddp_spawn", "fsdp", "gpu"} else {}))
         assert trainer is not None
+    elif group == "method":
+        from draftlab.decoding.drafter import Drafter
+
+        assert isinstance(instantiate(cfg.method), Drafter)
     elif group in {"logger", "callbacks"}:
         objs = {k: instantiate(v) for k, v in cfg[group].items()}
         assert all(o is not None for o in objs.values())
