@@ -8,15 +8,6 @@ from draftlab.methods.eagle3.model import rope_inv_freq
 D, DT, H, HKV, HD, FF, V, VD = 32, 16, 4, 2, 8, 64, 50, 20
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These tensors are tiny: intra-op threads only add synchronisation, which on a busy CPU costs far
-    # more than the arithmetic (measured: ~70x slower TTT steps with 2 threads on a loaded 2-core box).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def small_config(**kw) -> Eagle3Config:
     base = dict(hidden_size=D, intermediate_size=FF, num_heads=H, num_kv_heads=HKV, head_dim=HD, vocab_size=V,

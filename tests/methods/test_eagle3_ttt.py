@@ -20,15 +20,6 @@ from draftlab.methods.eagle3.ttt import _shift_left
 D, DT, V, VD = 32, 16, 50, 20
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These tensors are tiny: intra-op threads only add synchronisation, which on a busy CPU costs far
-    # more than the arithmetic (measured: ~70x slower TTT steps with 2 threads on a loaded 2-core box).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def small_draft(dtype=torch.float64, seed=0) -> Eagle3Draft:
     torch.manual_seed(seed)
