@@ -236,9 +236,6 @@ def regenerate(target, conversations: Sequence[Conversation], out_path: str | Pa
                     rec = {"id": c.id, "error": reason[k]}
                 writers[st].write(rec)
                 all_done.add(c.id)
-                report.success += st == "success"
-                report.error += st == "error"
-                report.skipped += st == "skipped"
             bar.update(1)
             bar.set_postfix(tok_s=f"{report.new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
     finally:

@@ -1,0 +1,1 @@
+"""Evaluation: answering benchmark questions through the decoding engine."""
