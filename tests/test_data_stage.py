@@ -29,4 +29,4 @@ def test_cli_entry_point_composes(tmp_path):
     out = subprocess.run([sys.executable, "-m", "draftlab.cli.data", "--cfg", "job", "experiment=quickstart"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "task_name: quickstart" in out.stdout and "max_new_tokens: 96" in out.stdout
+    assert "task_name: data" in out.stdout and "max_new_tokens: 96" in out.stdout

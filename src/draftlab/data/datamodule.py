@@ -90,6 +90,8 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         self.num_replicas = num_replicas
         self.rank = rank
         self.epoch = 0
+        # (epoch, batches): skip that many batches the next time that epoch is iterated (mid-epoch resume).
+        self.resume_at: tuple[int, int] | None = None
         self.sampler = _EpochForwarder(self)
 
     def set_epoch(self, epoch: int) -> None:
@@ -122,7 +124,10 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         return padded[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self._rank_batches()
+        skip = 0
+        if self.resume_at is not None and self.resume_at[0] == self.epoch:
+            skip, self.resume_at = self.resume_at[1], None
+        yield from self._rank_batches()[skip:]
 
     def __len__(self) -> int:
         n = (
@@ -180,6 +185,11 @@ class ConversationDataModule(L.LightningDataModule):
         self.drop_last = drop_last
         self.train_samples: list[RenderedSample] | None = None
         self.val_samples: list[RenderedSample] | None = None
+        # Positions of the split samples in the full sample list (offline feature files are keyed by them).
+        self.train_indices: list[int] = []
+        self.val_indices: list[int] = []
+        self._resume: dict | None = None
+        self._train_sampler: LengthBucketBatchSampler | None = None
 
     def setup(self, stage: str | None = None) -> None:
         """Materialise the samples (once) and split them into train and validation."""
@@ -193,9 +203,33 @@ class ConversationDataModule(L.LightningDataModule):
         if self.val_fraction > 0 and not any(is_val) and len(set(keys)) > 1:
             first = keys[min(range(len(keys)), key=fractions.__getitem__)]
             is_val = [k == first for k in keys]
-        self.train_samples = [s for s, v in zip(samples, is_val) if not v]
-        self.val_samples = [s for s, v in zip(samples, is_val) if v]
+        self.train_indices = [i for i, v in enumerate(is_val) if not v]
+        self.val_indices = [i for i, v in enumerate(is_val) if v]
+        self.train_samples = [samples[i] for i in self.train_indices]
+        self.val_samples = [samples[i] for i in self.val_indices]
         log.info("data split: %d train / %d val samples", len(self.train_samples), len(self.val_samples))
+
+    # ---- mid-epoch resume: Lightning stores this in checkpoints and restores it before building loaders --
+
+    def state_dict(self) -> dict:
+        """Data position: the epoch and how many of its batches the optimiser has already consumed."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return {}
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"epoch": int(trainer.current_epoch), "batches_done": int(progress.processed)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = dict(state) if state else None
+        # Lightning may have built the train loader already (to count steps); tell its sampler too.
+        if self._resume and self._train_sampler is not None:
+            self._train_sampler.resume_at = (self._resume["epoch"], self._resume["batches_done"])
+
+    def _dataset(self, samples: list[RenderedSample], indices: list[int]) -> Dataset:
+        return _SampleDataset(samples)
+
+    def _collator(self) -> Callable:
+        return PadCollator(self.pad_token_id)
 
     def _loader(self, samples: list[RenderedSample], *, train: bool) -> DataLoader:
         trainer = getattr(self, "trainer", None)
@@ -214,10 +248,17 @@ class ConversationDataModule(L.LightningDataModule):
         )
         if trainer is not None:
             sampler.set_epoch(trainer.current_epoch)
+        if train:
+            self._train_sampler = sampler
+            if self._resume:
+                # Without this, a resumed epoch would replay its first batches from the start of the order.
+                sampler.resume_at = (self._resume["epoch"], self._resume["batches_done"])
+                log.info("resuming epoch %d after %d batches", *sampler.resume_at)
+        indices = self.train_indices if train else self.val_indices
         return DataLoader(
-            _SampleDataset(samples),
+            self._dataset(samples, indices),
             batch_sampler=sampler,
-            collate_fn=PadCollator(self.pad_token_id),
+            collate_fn=self._collator(),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )

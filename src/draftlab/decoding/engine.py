@@ -110,7 +110,8 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
     state = DecodeState(target=target, cache=cache, tokens=list(prompt_ids) + [root], prompt_len=len(prompt_ids),
                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=gen,
                         accepted_aux=out.aux_hidden[0] if out.aux_hidden is not None else None)
-    drafter.reset(state)
+    drafter.reset(state)  # a feature drafter runs its first pass here: part of the prefill cost
+    stats.prefill_time = time.perf_counter() - t_start
     device = target.device
     while len(new) < cfg.max_new_tokens and not (cfg.stop_on_eos and new[-1] in eos):
         t0 = time.perf_counter()
@@ -143,12 +144,15 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
         new.extend(accepted)
         state.tokens.extend(accepted)
         if drafter.needs_aux:
-            state.accepted_aux = vout.aux_hidden[0, result.path]  # [len(path), n_aux*d]
+            # Only rows whose tokens were kept (a round cut at EOS / the budget keeps a prefix of the path).
+            state.accepted_aux = vout.aux_hidden[0, result.path[: len(accepted)]]  # [kept, n_aux*d]
         if extra is not None:
             state.extra_out = (vout, n)
         drafter.update(state, result, tree)
+        t3 = time.perf_counter()
         stats.accept_lengths.append(len(accepted))
-        stats.draft_times.append(t1 - t0)
+        # Drafting = proposing this round's tree + absorbing its outcome (a draft pass over accepted rows).
+        stats.draft_times.append((t1 - t0) + (t3 - t2))
         stats.verify_times.append(t2 - t1)
         stats.tree_sizes.append(n)
     stats.new_tokens = len(new)

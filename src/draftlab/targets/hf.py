@@ -259,11 +259,17 @@ class HFTarget:
             if want_aux and li in capture_out:
                 captured[li] = x
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if want_aux else None  # [B, T, 3d]
-        hidden = m.norm(x if logits_rows is None else x[:, logits_rows])  # [B, T|R, d]
+        # The final hidden state of every row when asked for (offline features), independent of which
+        # rows need logits (an empty ``logits_rows`` skips the LM head entirely).
+        last = m.norm(x) if return_last_hidden else None  # [B, T, d]
+        if logits_rows is None:
+            hidden = last if last is not None else m.norm(x)  # [B, T, d]
+        else:
+            hidden = last[:, logits_rows] if last is not None else m.norm(x[:, logits_rows])  # [B, R, d]
         if self._lm_head_t is not None and hidden.shape[0] * hidden.shape[1] == 1:
             logits = hidden @ self._lm_head_t  # [1, 1, V]
         else:
             logits = self.model.lm_head(hidden)  # [B, T|R, V]
-        return TargetOutput(logits=logits, aux_hidden=aux, last_hidden=hidden if return_last_hidden else None)
+        return TargetOutput(logits=logits, aux_hidden=aux, last_hidden=last)
 
     __call__ = forward

@@ -1,6 +1,7 @@
 """EAGLE-3: draft model (fc fusion + one 2d-input layer + reduced-vocab head) and its training-time test core."""
 
 from draftlab.methods.eagle3.config import Eagle3Config, rope_from_hf_config
+from draftlab.methods.eagle3.drafter import Eagle3Drafter
 from draftlab.methods.eagle3.model import (
     CacheAttention,
     CausalAttention,
@@ -19,6 +20,6 @@ from draftlab.methods.eagle3.ttt import (
     ttt_forward,
 )
 
-__all__ = ["CacheAttention", "CausalAttention", "DraftAttention", "Eagle3Config", "Eagle3Draft", "TTTAttention",
-           "TTTOutput", "causal_mask", "masked_attention", "naive_ttt_attention", "rope_from_hf_config",
-           "simulated_tau", "ttt_attention", "ttt_attention_mask", "ttt_forward"]
+__all__ = ["CacheAttention", "CausalAttention", "DraftAttention", "Eagle3Config", "Eagle3Draft", "Eagle3Drafter",
+           "TTTAttention", "TTTOutput", "causal_mask", "masked_attention", "naive_ttt_attention",
+           "rope_from_hf_config", "simulated_tau", "ttt_attention", "ttt_attention_mask", "ttt_forward"]

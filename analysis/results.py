@@ -1,0 +1,306 @@
+"""Load run records (``record.json``) from run and sweep directories, and group them into table rows.
+
+The contract this module reads (schema ``draftlab.record/1``; one file per run directory, a Hydra
+multirun sweep being ``<sweep>/<job_num>/record.json``)::
+
+    {"schema": "draftlab.record/1", "kind": "eval" | "train", "run_name": str, "group": str, "tags": [str],
+     "choices": {"method": ..., "target": ..., "bench": ..., ...},   # Hydra group choices
+     "overrides": [str], "config": {...}, "git": {"commit": str, "dirty": bool}, "hardware": {...},
+     "artifacts": {"draft": str | null, "data": str | null},
+     "metrics": {"eval/specbench/CODE/tau": float, "eval/specbench/AVG/speedup": float, ...},
+     "eval": {"bench", "method", "label", "temperature", "draft_nodes", "ttt_length",
+              "columns": {"WRIT": {"tau", "speedup", "n_questions", "method_tps", "baseline_tps"}, ..., "AVG": {...}},
+              "accept_lengths": {"1": count, ...}, "mismatches_vs_ar": int | null} | null,
+     "train": {"history": [{"step": int, "<metric>": float, ...}], "best": {...}} | null}
+
+Only ``schema``, ``kind`` and ``run_name`` are required; every other key may be absent or null. When an
+eval record has no ``eval.columns``, the columns are rebuilt from the flat ``metrics`` keys
+``eval/<bench>/<column>/<name>`` (a column name may itself contain a slash, as ``M/R`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftlab.data.benchmarks import CONFU_COLUMNS
+
+SCHEMA_PREFIX = "draftlab.record/"
+SCHEMA_VERSION = 1
+RECORD_FILE = "record.json"
+TABLE_COLUMNS: list[str] = [*CONFU_COLUMNS, "AVG"]
+CELL_KEYS = ("tau", "speedup", "n_questions", "method_tps", "baseline_tps")
+
+
+class RecordError(ValueError):
+    """A file that claims to be a run record but does not follow the contract; the message names it."""
+
+
+class RecordWarning(UserWarning):
+    """A JSON file skipped because it is not a run record."""
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass
+class Record:
+    """One run's record, with accessors for the fields tables and reports use."""
+
+    path: Path
+    data: dict
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent
+
+    @property
+    def kind(self) -> str:
+        return self.data["kind"]
+
+    @property
+    def run_name(self) -> str:
+        return self.data["run_name"]
+
+    @property
+    def choices(self) -> dict:
+        return self.data.get("choices") or {}
+
+    @property
+    def metrics(self) -> dict:
+        return self.data.get("metrics") or {}
+
+    @property
+    def eval(self) -> dict:
+        return self.data.get("eval") or {}
+
+    @property
+    def train(self) -> dict:
+        return self.data.get("train") or {}
+
+    @property
+    def label(self) -> str:
+        """Row label: ``eval.label``, else the method name, else the run name."""
+        return self.eval.get("label") or self.method or self.run_name
+
+    @property
+    def method(self) -> str | None:
+        return self.eval.get("method") or self.choices.get("method")
+
+    @property
+    def bench(self) -> str | None:
+        return self.eval.get("bench") or self.choices.get("bench")
+
+    @property
+    def target(self) -> str | None:
+        return self.choices.get("target")
+
+    @property
+    def temperature(self) -> float | None:
+        return self.eval.get("temperature")
+
+    @property
+    def draft_nodes(self) -> int | None:
+        return self.eval.get("draft_nodes")
+
+    @property
+    def ttt_length(self) -> int | None:
+        return self.eval.get("ttt_length")
+
+    @property
+    def mismatches_vs_ar(self) -> int | None:
+        return self.eval.get("mismatches_vs_ar")
+
+    @property
+    def columns(self) -> dict[str, dict[str, Any]]:
+        """``{column: {"tau", "speedup", ...}}`` from ``eval.columns``, else rebuilt from ``metrics``."""
+        if self.eval.get("columns"):
+            return self.eval["columns"]
+        return columns_from_metrics(self.metrics, self.bench)
+
+    @property
+    def accept_lengths(self) -> dict[int, int]:
+        """Histogram of per-round accept lengths (bonus included), keys as ints, sorted."""
+        raw = self.eval.get("accept_lengths") or {}
+        return dict(sorted((int(k), int(v)) for k, v in raw.items()))
+
+    @property
+    def history(self) -> list[dict]:
+        return self.train.get("history") or []
+
+    def get(self, dotted: str, default: Any = None) -> Any:
+        """A nested value by dotted path (``"choices.target"``), or ``default`` when any part is absent."""
+        node: Any = self.data
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def value(self, column: str, key: str) -> float | None:
+        """One table cell: ``columns[column][key]``, or ``None`` when missing."""
+        v = self.columns.get(column, {}).get(key)
+        return v if _is_number(v) else None
+
+
+def columns_from_metrics(metrics: dict, bench: str | None = None) -> dict[str, dict[str, Any]]:
+    """Rebuild per-column cells from flat ``eval/<bench>/<column>/<name>`` metric keys."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in metrics.items():
+        if not key.startswith("eval/"):
+            continue
+        rest = key[len("eval/"):]
+        bench_name, sep, rest = rest.partition("/")
+        if not sep or (bench is not None and bench_name != bench):
+            continue
+        column, sep, name = rest.rpartition("/")
+        if sep and column and name in CELL_KEYS:
+            out.setdefault(column, {})[name] = value
+    return out
+
+
+def _check_record(data: dict, path: Path) -> None:
+    def fail(message: str) -> RecordError:
+        return RecordError(f"{path}: {message}")
+
+    schema = data["schema"]
+    version = schema[len(SCHEMA_PREFIX):]
+    if version != str(SCHEMA_VERSION):
+        raise fail(f"unsupported schema {schema!r} (this reader knows {SCHEMA_PREFIX}{SCHEMA_VERSION})")
+    if data.get("kind") not in ("eval", "train"):
+        raise fail(f"'kind' must be 'eval' or 'train', got {data.get('kind')!r}")
+    if not isinstance(data.get("run_name"), str):
+        raise fail("'run_name' missing or not a string")
+    for key, types in (("group", str), ("tags", list), ("choices", dict), ("overrides", list), ("config", dict),
+                       ("git", dict), ("hardware", dict), ("artifacts", dict), ("metrics", dict), ("eval", dict),
+                       ("train", dict)):
+        if data.get(key) is not None and not isinstance(data[key], types):
+            raise fail(f"'{key}' must be a {types.__name__} or null, got {type(data[key]).__name__}")
+    ev = data.get("eval") or {}
+    for key, ok, what in (("label", lambda v: isinstance(v, str), "a string"),
+                          ("temperature", _is_number, "a number"),
+                          ("draft_nodes", lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+                          ("ttt_length", lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+                          ("columns", lambda v: isinstance(v, dict), "an object"),
+                          ("accept_lengths", lambda v: isinstance(v, dict), "an object")):
+        if ev.get(key) is not None and not ok(ev[key]):
+            raise fail(f"'eval.{key}' must be {what} or null, got {ev[key]!r}")
+    for column, cell in (ev.get("columns") or {}).items():
+        if not isinstance(cell, dict):
+            raise fail(f"'eval.columns.{column}' must be an object")
+        for key in ("tau", "speedup"):
+            if cell.get(key) is not None and not _is_number(cell[key]):
+                raise fail(f"'eval.columns.{column}.{key}' must be a finite number or null, got {cell[key]!r}")
+    for length, count in (ev.get("accept_lengths") or {}).items():
+        if not re.fullmatch(r"\d+", str(length)) or not isinstance(count, int) or count < 0:
+            raise fail(f"'eval.accept_lengths' entry {length!r}: {count!r} is not a length -> count")
+    history = (data.get("train") or {}).get("history")
+    if history is not None:
+        if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+            raise fail("'train.history' must be a list of objects")
+        for i, h in enumerate(history):
+            if not isinstance(h.get("step"), int):
+                raise fail(f"'train.history[{i}].step' missing or not an int")
+
+
+def read_record(path: str | Path) -> Record | None:
+    """Read one file: a :class:`Record`, ``None`` (with a :class:`RecordWarning`) for JSON that is not a
+    run record, or :class:`RecordError` for a broken record or a file that is not JSON at all."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise RecordError(f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecordError(f"{path}: cannot read: {exc}") from exc
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if not isinstance(schema, str) or not schema.startswith(SCHEMA_PREFIX):
+        warnings.warn(f"{path}: not a draftlab run record (no '{SCHEMA_PREFIX}*' schema); skipped",
+                      RecordWarning, stacklevel=2)
+        return None
+    _check_record(data, path)
+    return Record(path=path, data=data)
+
+
+def _natural_key(path: Path) -> list:
+    # Hydra numbers jobs 0, 1, ..., 10: sort "10" after "9", not after "1".
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
+
+
+def find_record_files(path: str | Path) -> list[Path]:
+    """``path`` itself if it is a file, else every ``record.json`` below it, in natural order."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise RecordError(f"{path}: no such file or directory")
+    return sorted(path.rglob(RECORD_FILE), key=_natural_key)
+
+
+def load_records(*paths: str | Path, kind: str | None = None) -> list[Record]:
+    """All run records under ``paths`` (files or directories, searched recursively), each file once.
+
+    Order follows ``paths``, then natural path order within a directory. ``kind`` keeps only ``"eval"``
+    or ``"train"`` records. A directory with no records is not an error (a sweep may still be running);
+    a path that does not exist is.
+    """
+    seen: set[Path] = set()
+    out: list[Record] = []
+    for p in paths:
+        for f in find_record_files(p):
+            key = f.resolve()
+            if key in seen:
+                continue
+            seen.add(key)
+            record = read_record(f)
+            if record is not None and (kind is None or record.kind == kind):
+                out.append(record)
+    return out
+
+
+def group_records(records: Iterable[Record], key: str | Sequence[str] | Callable[[Record], Any]
+                  ) -> dict[Any, list[Record]]:
+    """Group records by ``key`` (a callable, an attribute or dotted path, or a list of them -> tuple keys),
+    keeping first-seen order of groups and of records within a group."""
+    if callable(key):
+        fn = key
+    else:
+        names = [key] if isinstance(key, str) else list(key)
+
+        def one(r: Record, name: str) -> Any:
+            if "." not in name and hasattr(Record, name) and isinstance(getattr(Record, name), property):
+                return getattr(r, name)
+            return r.get(name)
+
+        def fn(r: Record) -> Any:
+            values = tuple(one(r, n) for n in names)
+            return values[0] if isinstance(key, str) else values
+
+    groups: dict[Any, list[Record]] = {}
+    for r in records:
+        groups.setdefault(fn(r), []).append(r)
+    return groups
+
+
+def sort_key(value: Any) -> tuple:
+    """Sort key that puts ``None`` last and never compares numbers with strings."""
+    if value is None:
+        return (2, 0)
+    if _is_number(value):
+        return (0, value)
+    return (1, str(value))
+
+
+def format_temperature(t: float | None) -> str | None:
+    """``0`` -> ``"0.0"``, ``0.75`` -> ``"0.75"``: at least one decimal, as the papers print T."""
+    if t is None:
+        return None
+    s = f"{t:g}"
+    return s if ("." in s or "e" in s) else s + ".0"

@@ -1,0 +1,142 @@
+"""Answer files in Spec-Bench's format: one JSON object per question, one line each.
+
+A line, as Spec-Bench's ``evaluation/eval.py`` writes it::
+
+    {"question_id": 81, "category": "writing", "answer_id": "...", "model_id": "...", "tstamp": 1.7e9,
+     "choices": [{"index": 0,
+                  "turns": ["answer to turn 1", "answer to turn 2"],   # decoded text per turn
+                  "decoding_steps": [31, 40],                          # target verify passes per turn
+                  "new_tokens": [120, 161],                            # generated tokens per turn
+                  "wall_time": [1.92, 2.41],                           # seconds per turn
+                  "accept_lengths": [4, 3, 1, ...]}]}                  # per verify round, all turns pooled
+
+``accept_lengths`` counts the tokens committed in each round, the bonus token included, so vanilla
+decoding writes a list of ones. Spec-Bench's name for the per-turn step count is ``decoding_steps``;
+it is kept so its own ``speed.py`` and ``equal.py`` read these files unchanged. Extra keys (in the record
+or in a choice) are allowed and kept.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from draftlab.data.errors import DataError
+
+_REQUIRED_CHOICE_LISTS = ("turns", "new_tokens", "wall_time", "accept_lengths")
+
+
+def answer_record(question, turns: Sequence, model_id: str, *, index: int = 0, **extra: Any) -> dict:
+    """Build one answer record from a :class:`~draftlab.data.benchmarks.Question` and its answered turns.
+
+    ``turns`` are the :class:`~draftlab.eval.answer.TurnAnswer` objects that
+    :func:`~draftlab.eval.answer.answer_question` returns (anything with ``text`` and a
+    :class:`~draftlab.decoding.engine.DecodeStats` ``stats``). ``extra`` keys go into the top-level record.
+    """
+    choice = {
+        "index": index,
+        "turns": [t.text for t in turns],
+        "decoding_steps": [t.stats.rounds for t in turns],
+        "new_tokens": [t.stats.new_tokens for t in turns],
+        "wall_time": [t.stats.wall_time for t in turns],
+        "accept_lengths": [a for t in turns for a in t.stats.accept_lengths],
+    }
+    record = {
+        "question_id": question.question_id,
+        "category": question.category,
+        "answer_id": uuid.uuid4().hex,
+        "model_id": model_id,
+        "choices": [choice],
+        "tstamp": time.time(),
+    }
+    record.update(extra)
+    return record
+
+
+def validate_answer(record: Any, *, file: str | Path | None = None, line: int | None = None) -> dict:
+    """Check one answer record's shape; raises :class:`DataError` naming ``file:line`` and the field."""
+
+    def fail(message: str, field: str | None = None) -> DataError:
+        return DataError(message, file=file, line=line, field=field)
+
+    if not isinstance(record, dict):
+        raise fail(f"expected a JSON object, got {type(record).__name__}")
+    qid = record.get("question_id")
+    if not isinstance(qid, (int, str)) or isinstance(qid, bool):
+        raise fail("missing, or not an int or string", "question_id")
+    if not isinstance(record.get("category"), str):
+        raise fail("missing or not a string", "category")
+    choices = record.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise fail("missing or not a non-empty list", "choices")
+    for c, choice in enumerate(choices):
+        where = f"choices[{c}]"
+        if not isinstance(choice, dict):
+            raise fail(f"expected a JSON object, got {type(choice).__name__}", where)
+        for key in _REQUIRED_CHOICE_LISTS:
+            if not isinstance(choice.get(key), list):
+                raise fail("missing or not a list", f"{where}.{key}")
+        n_turns = len(choice["turns"])
+        if n_turns == 0:
+            raise fail("no turns", f"{where}.turns")
+        for key in ("new_tokens", "wall_time", "decoding_steps"):
+            if key in choice and (not isinstance(choice[key], list) or len(choice[key]) != n_turns):
+                raise fail(f"expected a list with one entry per turn ({n_turns})", f"{where}.{key}")
+        for i, text in enumerate(choice["turns"]):
+            if not isinstance(text, str):
+                raise fail(f"expected a string, got {type(text).__name__}", f"{where}.turns[{i}]")
+        for key in ("new_tokens", "accept_lengths", "decoding_steps"):
+            for i, v in enumerate(choice.get(key, [])):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise fail(f"expected a non-negative int, got {v!r}", f"{where}.{key}[{i}]")
+        for i, v in enumerate(choice["wall_time"]):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise fail(f"expected a non-negative number, got {v!r}", f"{where}.wall_time[{i}]")
+    return record
+
+
+def write_answer(path: str | Path, record: dict) -> None:
+    """Append one validated answer record as a line of ``path`` (created with its parents if missing).
+
+    Appending, as Spec-Bench does, lets an interrupted run keep what it already answered.
+    """
+    validate_answer(record, file=path)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def load_answers(path: str | Path) -> list[dict]:
+    """Read an answer file; every line is validated and errors name ``file:line``.
+
+    A question id answered twice is an error rather than last-one-wins: both copies would otherwise
+    count in a speed-up and the metrics would silently weigh that question double.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError("file not found", file=path)
+    records: list[dict] = []
+    seen: dict[Any, int] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"malformed JSON: {exc.msg} (column {exc.colno})", file=path, line=lineno) from exc
+            record = validate_answer(row, file=path, line=lineno)
+            qid = record["question_id"]
+            if qid in seen:
+                raise DataError(f"question {qid!r} already answered on line {seen[qid]}", file=path, line=lineno,
+                                field="question_id")
+            seen[qid] = lineno
+            records.append(record)
+    if not records:
+        raise DataError("no answers", file=path)
+    return records

@@ -1,0 +1,218 @@
+"""Spec-Bench metrics from answer files: mean accepted length τ, speed-up ratio SR, acceptance survival.
+
+The definitions follow Spec-Bench's ``evaluation/speed.py``:
+
+* **τ** is ``mean`` of the *pooled* per-round ``accept_lengths`` of every question in a group (so a
+  question with more rounds weighs more). It counts the bonus token and is 1.00 for vanilla decoding.
+* A question's throughput is ``sum(new_tokens) / sum(wall_time)`` over its turns.
+* **SR** is ``mean(method throughputs) / mean(baseline throughputs)`` over the questions of a group: a
+  ratio of means of per-question throughputs, not a mean of per-question ratios.
+
+Two deliberate differences from ``speed.py``:
+
+* The baseline's token count is its recorded ``new_tokens``. ``speed.py`` instead re-tokenizes the
+  decoded baseline text and subtracts one (the BOS its Llama/Vicuna tokenizer prepends). A recount
+  drifts from what was generated (an EOS or other special tokens are stripped by decoding, merges can
+  differ after a decode/encode round trip) and needs the tokenizer at analysis time; counting both
+  sides from the recorded numbers measures them the same way.
+* Baseline answers are matched to the method's questions by ``question_id``, where ``speed.py`` takes
+  every baseline line of the category. The two agree when both files answer the same questions; with a
+  method run on a subset, matching keeps the baseline mean over the same questions, and a method
+  question with no baseline answer is an error instead of a silently different population.
+
+Only ``choices[0]`` is read, as in ``speed.py``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from draftlab.data.benchmarks import CONFU_COLUMNS, category_column
+from draftlab.data.errors import DataError
+from draftlab.eval.answers import load_answers
+
+Answers = Sequence[Mapping[str, Any]] | str | Path
+
+
+def _records(answers: Answers) -> list[Mapping[str, Any]]:
+    if isinstance(answers, (str, Path)):
+        return load_answers(answers)
+    return list(answers)
+
+
+def _choice(record: Mapping[str, Any]) -> Mapping[str, Any]:
+    return record["choices"][0]
+
+
+def question_throughput(record: Mapping[str, Any]) -> float:
+    """Tokens per second of one answered question: ``sum(new_tokens) / sum(wall_time)`` over its turns."""
+    choice = _choice(record)
+    seconds = sum(choice["wall_time"])
+    if seconds <= 0:
+        raise DataError(f"question {record['question_id']!r}: total wall_time is {seconds}, cannot divide by it")
+    return sum(choice["new_tokens"]) / seconds
+
+
+def _by_id(records: Iterable[Mapping[str, Any]], what: str) -> dict[Any, Mapping[str, Any]]:
+    out: dict[Any, Mapping[str, Any]] = {}
+    for r in records:
+        if r["question_id"] in out:
+            raise DataError(f"{what}: question {r['question_id']!r} appears twice")
+        out[r["question_id"]] = r
+    return out
+
+
+def _paired(method: list[Mapping[str, Any]], baseline: list[Mapping[str, Any]]) -> list[tuple[Mapping, Mapping]]:
+    base = _by_id(baseline, "baseline answers")
+    _by_id(method, "method answers")
+    missing = [r["question_id"] for r in method if r["question_id"] not in base]
+    if missing:
+        shown = ", ".join(repr(q) for q in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise DataError(f"the baseline has no answer for {len(missing)} method question(s): {shown}")
+    pairs = []
+    for r in method:
+        b = base[r["question_id"]]
+        if b["category"] != r["category"]:
+            raise DataError(f"question {r['question_id']!r} is {r['category']!r} in the method answers "
+                            f"but {b['category']!r} in the baseline answers")
+        pairs.append((r, b))
+    return pairs
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _summary(pairs: Sequence[tuple[Mapping, Mapping]]) -> dict[str, Any]:
+    pooled = [a for m, _ in pairs for a in _choice(m)["accept_lengths"]]
+    method_tps = _mean([question_throughput(m) for m, _ in pairs])
+    baseline_tps = _mean([question_throughput(b) for _, b in pairs])
+    speedup = method_tps / baseline_tps if method_tps is not None and baseline_tps else None
+    return {"tau": _mean(pooled), "speedup": speedup, "n_questions": len(pairs),
+            "method_tps": method_tps, "baseline_tps": baseline_tps}
+
+
+def _mean_of_columns(columns: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"n_questions": sum(c["n_questions"] for c in columns.values())}
+    for key in ("tau", "speedup", "method_tps", "baseline_tps"):
+        out[key] = _mean([c[key] for c in columns.values() if c[key] is not None])
+    return out
+
+
+def speed_metrics(
+    method_answers: Answers,
+    baseline_answers: Answers,
+    *,
+    column_of: Callable[[str], str | None] = category_column,
+    categories: Iterable[str] | None = None,
+    avg: Literal["pooled", "columns"] = "pooled",
+) -> dict[str, Any]:
+    """τ and SR of a method against its AR baseline, per category, per ConFu column and overall.
+
+    Each argument is a list of answer records or the path of an answer file. Returns::
+
+        {"columns":    {"WRIT": {"tau", "speedup", "n_questions", "method_tps", "baseline_tps"}, ...},
+         "categories": {"writing": {...same keys...}, ...},
+         "AVG":        {...same keys...},
+         "avg": "pooled" | "columns"}
+
+    Every group is computed from its questions as ``speed.py`` does for one task (pooled τ, ratio of
+    mean throughputs). ``column_of`` maps a category to its table column (``"math"`` -> ``"M/R"``); a
+    category it maps to ``None`` is reported under ``categories`` and counted in ``AVG`` only. Columns
+    come in ConFu's order, then any others in order of appearance.
+
+    ``AVG`` with ``avg="pooled"`` (the default) treats all questions as one group, which is what
+    ``speed.py`` reports as ``overall``. ``avg="columns"`` gives the unweighted mean of the columns'
+    values instead (``n_questions`` is then the total). ConFu's AVG is not the mean of its columns (for
+    ConFu at 30 nodes, T=0 in its Table 1 the eleven column τ average 4.60 against a reported AVG of 4.41),
+    which fits the pooled reading.
+
+    ``categories`` keeps only those categories' questions, so ``AVG`` becomes the pooled figure of that
+    subset; naming a category the method answers lack is an error.
+    """
+    if avg not in ("pooled", "columns"):
+        raise ValueError(f"avg must be 'pooled' or 'columns', got {avg!r}")
+    method = _records(method_answers)
+    baseline = _records(baseline_answers)
+    if categories is not None:
+        wanted = list(categories)
+        present = {r["category"] for r in method}
+        unknown = [c for c in wanted if c not in present]
+        if unknown:
+            raise DataError(f"no method answers in categories {unknown} (present: {', '.join(sorted(present))})")
+        method = [r for r in method if r["category"] in set(wanted)]
+    if not method:
+        raise DataError("no method answers to score")
+    pairs = _paired(method, baseline)
+
+    by_category: dict[str, list] = {}
+    by_column: dict[str, list] = {}
+    for pair in pairs:
+        category = pair[0]["category"]
+        by_category.setdefault(category, []).append(pair)
+        column = column_of(category)
+        if column is not None:
+            by_column.setdefault(column, []).append(pair)
+    order = [c for c in CONFU_COLUMNS if c in by_column] + [c for c in by_column if c not in CONFU_COLUMNS]
+    columns = {c: _summary(by_column[c]) for c in order}
+    result = {
+        "columns": columns,
+        "categories": {c: _summary(p) for c, p in by_category.items()},
+        "AVG": _summary(pairs) if avg == "pooled" else _mean_of_columns(columns),
+        "avg": avg,
+    }
+    return result
+
+
+def accept_histogram(answers: Answers) -> dict[int, int]:
+    """Pooled count of each per-round accept length (bonus included) over all questions, sorted by length."""
+    counts = Counter(a for r in _records(answers) for a in _choice(r)["accept_lengths"])
+    return dict(sorted(counts.items()))
+
+
+def accept_length_survival(
+    accept_lengths: Sequence[int] | Mapping[int | str, int], *, bonus_included: bool = True
+) -> list[tuple[int, float]]:
+    """``[(l, P(at least l draft tokens accepted in a round)), ...]`` for ``l = 0 .. max``, ConFu's Figure 5.
+
+    ``accept_lengths`` is either the per-round lengths or a histogram ``{length: count}`` (keys may be
+    strings, as in a JSON record). With ``bonus_included`` (this repository's and Spec-Bench's
+    convention) a round's length counts the target's bonus token, so the accepted draft tokens are one
+    fewer; pass ``False`` for counts that are already draft tokens only. An empty input gives ``[]``.
+    """
+    if isinstance(accept_lengths, Mapping):
+        hist = Counter({int(k): int(v) for k, v in accept_lengths.items()})
+    else:
+        hist = Counter(int(a) for a in accept_lengths)
+    shift = 1 if bonus_included else 0
+    drafts = Counter()
+    for length, count in hist.items():
+        if count < 0 or length - shift < 0:
+            raise ValueError(f"invalid accept length {length} (count {count}) with bonus_included={bonus_included}")
+        drafts[length - shift] += count
+    total = sum(drafts.values())
+    if total == 0:
+        return []
+    out = []
+    at_least = total
+    for n in range(max(drafts) + 1):
+        out.append((n, at_least / total))
+        at_least -= drafts.get(n, 0)
+    return out
+
+
+def mismatched_questions(method_answers: Answers, baseline_answers: Answers) -> list:
+    """Ids of the method's questions whose answer turns differ from the baseline's (``choices[0].turns``).
+
+    At temperature 0 a lossless method has none, which is what Spec-Bench's ``equal.py`` checks.
+    """
+    pairs = _paired(_records(method_answers), _records(baseline_answers))
+    return [m["question_id"] for m, b in pairs if _choice(m)["turns"] != _choice(b)["turns"]]
+
+
+def mismatches(method_answers: Answers, baseline_answers: Answers) -> int:
+    """How many of the method's questions have answer turns that differ from the baseline's."""
+    return len(mismatched_questions(method_answers, baseline_answers))

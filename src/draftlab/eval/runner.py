@@ -1,0 +1,110 @@
+"""Benchmark runner: one method and the AR baseline on the same questions, in the same process.
+
+For every question the baseline and the method answer back to back (so both see the same machine
+state), each turn conditioned on that run's own earlier answers. Answers go to Spec-Bench answer files
+(``<out>/answers/baseline.jsonl``, ``<out>/answers/<method>.jsonl``); τ and SR are computed from those
+files exactly as Spec-Bench's ``speed.py`` does (``draftlab.eval.metrics``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from draftlab.data.benchmarks import Question, category_column
+from draftlab.decoding.engine import GenerationConfig, speculative_generate
+from draftlab.eval.answer import answer_question
+from draftlab.eval.answers import answer_record, load_answers, write_answer
+from draftlab.eval.metrics import accept_histogram, mismatched_questions, speed_metrics
+from draftlab.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class EvalResult:
+    bench: str
+    method: str
+    gen: GenerationConfig
+    metrics: dict[str, Any]  # speed_metrics(): columns / categories / AVG
+    accept_histogram: dict[int, int]
+    mismatches_vs_ar: int | None  # questions whose output differs from AR (T=0 only; must be 0)
+    mismatched_ids: list = field(default_factory=list)
+    answer_files: dict[str, str] = field(default_factory=dict)
+
+    def flat_metrics(self, prefix: str = "eval") -> dict[str, float]:
+        """``eval/<bench>/<COLUMN>/{tau,speedup}`` (plus AVG and the mismatch count), W&B-style keys."""
+        out: dict[str, float] = {}
+        groups = dict(self.metrics["columns"]) | {"AVG": self.metrics["AVG"]}
+        for col, m in groups.items():
+            for key in ("tau", "speedup", "method_tps", "baseline_tps"):
+                if m.get(key) is not None:
+                    out[f"{prefix}/{self.bench}/{col}/{key}"] = float(m[key])
+        if self.mismatches_vs_ar is not None:
+            out[f"{prefix}/{self.bench}/mismatches_vs_ar"] = float(self.mismatches_vs_ar)
+        return out
+
+
+def _limit_turns(q: Question, max_turns: int | None) -> Question:
+    if max_turns is None or len(q.turns) <= max_turns:
+        return q
+    return Question(q.question_id, q.category, list(q.turns[:max_turns]), q.reference)
+
+
+def run_benchmark(target, questions: list[Question], drafter, gen: GenerationConfig, out_dir: str | Path, *,
+                  bench: str, method: str, warmup: int = 1, max_turns: int | None = None) -> EvalResult:
+    """Answer ``questions`` with the AR baseline and with ``drafter``; write answers; score them."""
+    out = Path(out_dir) / "answers"
+    out.mkdir(parents=True, exist_ok=True)
+    base_path, method_path = out / "baseline.jsonl", out / f"{method}.jsonl"
+    for p in (base_path, method_path):
+        p.unlink(missing_ok=True)
+    questions = [_limit_turns(q, max_turns) for q in questions]
+    if warmup and questions:
+        # First calls pay for allocator growth and lazy init; keep them out of the timings.
+        prompt = target.tokenizer.encode("Hello")
+        warm = GenerationConfig(max_new_tokens=16, temperature=0.0)
+        for _ in range(warmup):
+            speculative_generate(target, prompt, None, warm)
+            speculative_generate(target, prompt, drafter, warm)
+    for q in tqdm(questions, desc=f"{bench} / {method}", unit="question"):
+        base = answer_question(target, q, drafter=None, cfg=gen)
+        write_answer(base_path, answer_record(q, base, "baseline"))
+        spec = answer_question(target, q, drafter=drafter, cfg=gen)
+        write_answer(method_path, answer_record(q, spec, method))
+    base_answers, method_answers = load_answers(base_path), load_answers(method_path)
+    metrics = speed_metrics(method_answers, base_answers, column_of=_column_or_none)
+    mismatched = mismatched_questions(method_answers, base_answers) if gen.temperature == 0 else []
+    result = EvalResult(bench=bench, method=method, gen=gen, metrics=metrics,
+                        accept_histogram=accept_histogram(method_answers),
+                        mismatches_vs_ar=len(mismatched) if gen.temperature == 0 else None,
+                        mismatched_ids=list(mismatched),
+                        answer_files={"baseline": str(base_path), method: str(method_path)})
+    if mismatched:
+        log.error("%d question(s) differ from AR at T=0: %s", len(mismatched), mismatched[:10])
+    return result
+
+
+def _column_or_none(category: str) -> str | None:
+    # Benchmarks outside Spec-Bench (HumanEval "coding" maps; custom ones may not) still get an AVG.
+    try:
+        return category_column(category)
+    except Exception:  # noqa: BLE001 - DataError for unknown categories
+        return None
+
+
+def format_table(result: EvalResult) -> str:
+    """A fixed-width per-column table: τ, SR, tok/s of method and baseline, question count."""
+    rows = [("column", "n", "tau", "SR", "tok/s", "AR tok/s")]
+    groups = dict(result.metrics["columns"]) | {"AVG": result.metrics["AVG"]}
+    for col, m in groups.items():
+        rows.append((col, str(m.get("n_questions", "")), f"{m['tau']:.2f}", f"{m['speedup']:.2f}",
+                     f"{m['method_tps']:.1f}", f"{m['baseline_tps']:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    head = (f"{result.bench} | {result.method} | T={result.gen.temperature} | max_new_tokens={result.gen.max_new_tokens}")
+    tail = "" if result.mismatches_vs_ar is None else f"\noutputs differing from AR: {result.mismatches_vs_ar}"
+    return head + "\n" + "\n".join(lines) + tail

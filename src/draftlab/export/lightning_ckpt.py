@@ -1,0 +1,68 @@
+"""Drafts from Lightning training checkpoints.
+
+The EAGLE-3 training module stores the draft under its ``draft`` attribute, so ``ckpt["state_dict"]`` holds
+``draft.<native key>`` (never ``draft.embed_tokens.weight``: checkpoints carry no target weights), and
+``ckpt["eagle3_config"]`` holds ``Eagle3Config.to_dict()``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftlab.export.common import assemble_draft
+from draftlab.methods.eagle3.config import Eagle3Config
+from draftlab.methods.eagle3.model import Eagle3Draft
+
+DRAFT_PREFIX = "draft."
+# torch.compile wraps the module and inserts this component into every name.
+_COMPILED = "_orig_mod."
+
+
+def read_lightning_checkpoint(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    """``(config, draft tensors under native names)`` from a Lightning ``.ckpt``; clear errors naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        # Lightning checkpoints pickle hyper-parameters and loop state, so weights_only loading refuses
+        # them; only load checkpoints you trust.
+        ckpt: Any = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated zips, bad pickles and short reads raise unrelated types
+        raise ValueError(f"cannot read Lightning checkpoint {path} (truncated or corrupt?): "
+                         f"{type(e).__name__}: {e}") from e
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
+    if "eagle3_config" not in ckpt:
+        raise ValueError(f"{path} holds no 'eagle3_config'; it was not written by the EAGLE-3 training module")
+    try:
+        config = Eagle3Config.from_dict(dict(ckpt["eagle3_config"]))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: invalid eagle3_config: {e}") from e
+    tensors = {}
+    for key, t in ckpt["state_dict"].items():
+        if not key.startswith(DRAFT_PREFIX):
+            continue  # other modules of the training module (e.g. loss buffers) are not part of the draft
+        name = key.removeprefix(DRAFT_PREFIX).replace(_COMPILED, "")
+        tensors[name] = t
+    if not tensors:
+        raise ValueError(f"{path}: state_dict has no '{DRAFT_PREFIX}*' entries")
+    return config, tensors
+
+
+def draft_from_lightning_checkpoint(path: str | Path, *, target=None, require_embedding: bool = True,
+                                    dtype: str | torch.dtype | None = None) -> Eagle3Draft:
+    """Rebuild the trained ``Eagle3Draft`` from a Lightning checkpoint.
+
+    The checkpoint has no embedding, so it is copied from ``target`` (a Target, or a zero-argument function
+    returning one); without a target, ``require_embedding=True`` raises and ``False`` leaves the embedding
+    NaN-filled (enough to export). A truncated or corrupt file raises ``ValueError`` naming it.
+    """
+    config, tensors = read_lightning_checkpoint(path)
+    return assemble_draft(config, tensors, source=str(path), target=target,
+                          require_embedding=require_embedding, dtype=dtype)
+
+
+__all__ = ["draft_from_lightning_checkpoint", "read_lightning_checkpoint"]

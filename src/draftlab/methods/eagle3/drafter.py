@@ -1,0 +1,209 @@
+"""EAGLE-3 drafting for the shared decoding engine: an EAGLE-2 dynamic tree over a persistent draft KV cache.
+
+Alignment is the one the draft was trained with (``ttt.py``): with target features ``F_t`` (context
+``x_0..x_t``), the draft row of target position t consumes ``(Emb(x_{t+1}), F_t)`` at RoPE position t and
+predicts ``x_{t+2}``. The draft cache holds one committed row per target position whose features are
+known, so with ``n`` tokens in the sequence it holds rows ``0..n-2`` and the last one (which consumes the
+root, the newest token) gives the distribution of the token after the root.
+
+Growing the tree is the unrolled test-time loop at the last committed row ``r``: a node at depth k is
+TTT step k of row r. It consumes its own token and the output state of the row that proposed it (row r
+itself for depth 1, its parent's row otherwise), sits at position ``r + k``, and attends to every
+committed row plus its ancestors' rows and itself. Those rows are written to the cache past the
+committed length and dropped again at the end of ``propose``; ``update`` then appends the rows of the
+accepted tokens, computed from the target's features of the verify pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftlab.decoding.cache import KVCache
+from draftlab.decoding.drafter import DecodeState
+from draftlab.decoding.tree import DraftTree, FrontierBatch, build_dynamic_tree
+from draftlab.decoding.verify import VerifyResult
+from draftlab.methods.eagle3.model import CacheAttention, Eagle3Draft
+from draftlab.targets.base import to_convention
+
+
+class Eagle3Drafter:
+    """Proposes EAGLE-2 dynamic trees with an EAGLE-3 draft (``needs_aux = True``).
+
+    ``top_k`` is the branching factor and frontier width, ``depth`` the number of tree levels (``depth``
+    calls of the expansion, ``depth - 1`` draft forwards per round), ``total_tokens`` the number of
+    draft nodes kept (the root excluded), as in ``decoding.tree.build_dynamic_tree``. Candidates are
+    chosen by top-k, so the trees are deterministic and sampling stays exact through the shared verifier.
+
+    One drafter serves one sequence at a time: ``reset`` starts the draft cache afresh.
+    """
+
+    needs_aux = True
+    # The draft cache starts this many rows past the prompt and at least doubles when it runs out.
+    cache_chunk: int = 256
+
+    def __init__(self, draft: Eagle3Draft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60):
+        if top_k < 1 or depth < 0 or total_tokens < 0:
+            raise ValueError(f"need top_k >= 1, depth >= 0, total_tokens >= 0; "
+                             f"got {top_k}, {depth}, {total_tokens}")
+        self.draft = draft.eval()
+        self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
+        self._cache: KVCache | None = None
+        self._committed = 0  # draft rows that belong to the sequence (positions 0..committed-1)
+        self._num_tokens = 0  # len(state.tokens) the committed rows account for (committed + 1)
+        self._h_last: torch.Tensor | None = None  # [d] output state of the last committed row
+        self._root_logprobs: torch.Tensor | None = None  # [V] its log-probs over the target vocabulary
+        self._target_ids = draft.target_ids()  # [V_d]
+
+    # ---- public read-only views -------------------------------------------------------------------------
+
+    @property
+    def num_committed(self) -> int:
+        """Draft rows committed for the current sequence (one per token before the root)."""
+        return self._committed
+
+    @property
+    def root_logprobs(self) -> torch.Tensor | None:
+        """``[V]`` draft log-probs of the token after the root (``-inf`` outside the draft vocabulary)."""
+        return self._root_logprobs
+
+    @property
+    def cache(self) -> KVCache | None:
+        """The draft KV cache (committed rows ``[0, num_committed)``)."""
+        return self._cache
+
+    # ---- compatibility ----------------------------------------------------------------------------------
+
+    def check_compatible(self, target) -> None:
+        """Raise ``ValueError`` naming the field when the draft was not built for ``target``'s features."""
+        c = self.draft.config
+        g = target.geometry
+        if c.target_hidden_size != g.hidden_size:
+            raise ValueError(f"draft target_hidden_size={c.target_hidden_size} but the target's hidden_size "
+                             f"is {g.hidden_size}: the draft's fc expects 3 x {c.target_hidden_size} features")
+        if c.vocab_size != g.vocab_size:
+            raise ValueError(f"draft vocab_size={c.vocab_size} but the target's vocab_size is "
+                             f"{g.vocab_size}")
+        target_ids = [int(i) for i in target.aux_layer_ids]
+        if len(target_ids) != 3:
+            raise ValueError(f"target aux_layer_ids={target_ids}: EAGLE-3 needs exactly 3 tapped hidden "
+                             "states")
+        if len(c.aux_layer_ids) != 3:
+            raise ValueError(f"draft aux_layer_ids={c.aux_layer_ids}: the draft does not say which 3 target "
+                             "hidden states it was trained on")
+        converted = [to_convention(i, c.layer_convention, target.layer_convention) for i in c.aux_layer_ids]
+        if converted != target_ids:
+            conv = getattr(target.layer_convention, "value", target.layer_convention)
+            raise ValueError(f"draft aux_layer_ids={c.aux_layer_ids} ({c.layer_convention}) name {converted} "
+                             f"in the target's '{conv}' convention, but the target taps "
+                             f"aux_layer_ids={target_ids}")
+
+    # ---- draft cache ------------------------------------------------------------------------------------
+
+    def _reserve(self, rows: int) -> None:
+        # Grow by reallocating and copying everything written so far (provisional rows included).
+        cache = self._cache
+        needed = cache.length + rows
+        if needed <= cache.max_length:
+            return
+        grown = self.draft.new_cache(1, max(needed + self.cache_chunk, 2 * cache.max_length))
+        n = cache.length
+        grown.k[:, :, :, :n] = cache.k[:, :, :, :n]
+        grown.v[:, :, :, :n] = cache.v[:, :, :, :n]
+        grown.length = n
+        self._cache = grown
+
+    def _run(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # T new rows written at the cache's current length (left uncommitted); returns (states, log-probs).
+        self._reserve(ids.shape[0])
+        h, logits = self.draft.forward_step(ids[None], hidden[None], positions[None],
+                                            CacheAttention(self._cache, mask))  # [1, T, d], [1, T, V_d]
+        return h[0], self._full_vocab_logprobs(logits[0])
+
+    def _full_vocab_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        # Draft id i predicts target id i + d2t[i]; every other target id is impossible for the draft.
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [T, V_d]
+        out = logp.new_full((logp.shape[0], self.draft.config.vocab_size), float("-inf"))  # [T, V]
+        out[:, self._target_ids] = logp
+        return out
+
+    def _append_rows(self, ids: list[int], aux: torch.Tensor) -> None:
+        # Commit rows for target positions committed..committed+n-1 from their target features.
+        device = self.draft.fc.weight.device
+        n = len(ids)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=device)  # [n]
+        positions = torch.arange(self._committed, self._committed + n, device=device)  # [n]
+        h, logp = self._run(ids_t, aux.to(device), positions)  # [n, d], [n, V]
+        self._cache.commit(n)
+        self._committed += n
+        self._num_tokens += n
+        self._h_last, self._root_logprobs = h[-1], logp[-1]
+
+    # ---- the drafter protocol ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reset(self, state: DecodeState) -> None:
+        """Check the target, then run the draft over the prompt rows (the last one consumes the root)."""
+        self.check_compatible(state.target)
+        if state.accepted_aux is None:
+            raise ValueError("Eagle3Drafter needs the target's aux hidden states (engine with needs_aux)")
+        p = state.accepted_aux.shape[0]
+        if len(state.tokens) != p + 1:
+            raise ValueError(f"expected prompt + root ({p + 1} tokens) after prefill, "
+                             f"got {len(state.tokens)}")
+        self._target_ids = self.draft.target_ids()
+        self._cache = self.draft.new_cache(1, p + self.cache_chunk)
+        self._committed, self._num_tokens = 0, 1
+        self._append_rows(state.tokens[1:p + 1], state.accepted_aux)
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState) -> DraftTree:
+        """Grow an EAGLE-2 dynamic tree from the root (``state.tokens[-1]``)."""
+        if len(state.tokens) != self._num_tokens:
+            raise RuntimeError(f"the draft cache accounts for {self._num_tokens} tokens but the sequence has "
+                               f"{len(state.tokens)}: call reset/update after every engine step")
+        committed = self._committed
+        device = self.draft.fc.weight.device
+        max_candidates = 1 + self.top_k + max(self.depth - 1, 0) * self.top_k ** 2
+        slot = torch.full((max_candidates,), -1, dtype=torch.long)  # [Cmax] cache row of each candidate
+        states: dict[int, torch.Tensor] = {}  # candidate -> its row's output state [d]
+
+        def expand(batch: FrontierBatch) -> torch.Tensor:
+            if batch.depth == 0:
+                return self._root_logprobs[None]  # [1, V]
+            nodes, parents = batch.node_ids.tolist(), batch.parents.tolist()
+            f, c = len(nodes), batch.num_candidates
+            hidden = torch.stack([self._h_last if p == 0 else states[p] for p in parents])  # [F, d]
+            # Growing first keeps the slot numbers below valid for the cache the rows are written to.
+            self._reserve(f)
+            past = self._cache.length
+            slot[batch.node_ids] = torch.arange(past, past + f)
+            mask = torch.zeros(f, past + f, dtype=torch.bool)  # [F, S]
+            mask[:, :committed] = True
+            written = (slot[:c] >= 0).nonzero().flatten()  # [W] candidates with a provisional row
+            mask[:, slot[written]] = batch.ancestor_mask[:, written]
+            ids = batch.tokens.to(device)  # [F]
+            positions = torch.full((f,), committed - 1 + batch.depth, dtype=torch.long, device=device)  # [F]
+            h, logp = self._run(ids, hidden, positions, mask.to(device))  # [F, d], [F, V]
+            self._cache.commit(f)
+            for j, node in enumerate(nodes):
+                states[node] = h[j]
+            return logp
+
+        try:
+            return build_dynamic_tree(state.root, expand, top_k=self.top_k, depth=self.depth,
+                                      total_tokens=self.total_tokens)
+        finally:
+            self._cache.truncate(committed)
+
+    @torch.no_grad()
+    def update(self, state: DecodeState, result: VerifyResult, tree: DraftTree) -> None:
+        """Append the rows of the accepted tokens (accepted nodes + bonus) from the verify pass's features."""
+        self._cache.truncate(self._committed)
+        added = len(state.tokens) - self._num_tokens
+        # The engine may keep fewer tokens than the path offers (EOS, token budget): only those get rows.
+        n = min(added, len(result.path), state.accepted_aux.shape[0])
+        if n <= 0:
+            return
+        start = self._num_tokens
+        self._append_rows(state.tokens[start:start + n], state.accepted_aux[:n])

@@ -1,0 +1,121 @@
+"""Offline target features: the frozen target's aux hidden states and final hidden state, computed once.
+
+Online training runs the target inside every step; offline training reads what this module wrote:
+one safetensors file per sample (``aux [T, 3*d_t]``, ``last [T, d]`` = the target's final post-norm
+hidden state), under a directory keyed by the content hash of everything that determines them (target,
+tapped layers, data, dtype). Logits are rebuilt at training time from ``last`` with the target's LM head,
+as SpecForge does, because storing ``[T, V]`` logits would cost V/(4d) times more disk.
+
+Writing is resumable: each file is written to a temporary name and renamed, files that exist are
+skipped, and ``complete.json`` marks a finished store. Several training runs (a TTT-length sweep, a
+method comparison) share one store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from draftlab.data.template import RenderedSample
+from draftlab.utils.hashing import content_key
+from draftlab.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+_COMPLETE = "complete.json"
+
+
+def feature_key(target_id, data_key: str, aux_layer_ids: Sequence[int], layer_convention: str,
+                dtype: str, num_samples: int) -> str:
+    """Content key of a feature store (``target_id`` is the resolved target config)."""
+    return content_key("eagle3-features/1", target_id, data_key, list(aux_layer_ids), str(layer_convention),
+                       dtype, num_samples)
+
+
+def _sample_path(root: Path, index: int) -> Path:
+    return root / f"{index:07d}.safetensors"
+
+
+def is_complete(root: str | Path) -> bool:
+    return (Path(root) / _COMPLETE).exists()
+
+
+@torch.no_grad()
+def precompute_features(target, samples: Sequence[RenderedSample], root: str | Path, *, dtype: str = "float32",
+                        max_tokens_per_batch: int = 4096) -> Path:
+    """Write ``aux``/``last`` for every sample under ``root`` (skipping files already there).
+
+    Samples are run in length-sorted batches of at most ``max_tokens_per_batch`` padded tokens; each row is
+    computed with right padding and a causal mask, so padding never reaches a real token.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    if is_complete(root):
+        return root
+    store_dtype = getattr(torch, dtype)
+    todo = [i for i in range(len(samples)) if not _sample_path(root, i).exists()]
+    if len(todo) < len(samples):
+        log.info("feature store %s: resuming, %d of %d samples already written", root, len(samples) - len(todo),
+                 len(samples))
+    todo.sort(key=lambda i: -len(samples[i].input_ids))
+    bar = tqdm(total=sum(len(samples[i].input_ids) for i in todo), desc="target features", unit="tok")
+    start = 0
+    while start < len(todo):
+        width = len(samples[todo[start]].input_ids)
+        n = max(1, min(len(todo) - start, max_tokens_per_batch // max(1, width)))
+        batch = todo[start : start + n]
+        start += n
+        ids = torch.full((len(batch), width), 0, dtype=torch.long)  # [B, T]
+        for row, i in enumerate(batch):
+            ids[row, : len(samples[i].input_ids)] = torch.tensor(samples[i].input_ids)
+        out = target.forward(ids.to(target.device), return_aux=True, return_last_hidden=True, logits_rows=torch.arange(0))
+        for row, i in enumerate(batch):
+            t = len(samples[i].input_ids)
+            tensors = {"aux": out.aux_hidden[row, :t].to(store_dtype).contiguous().cpu(),  # [T, 3*d_t]
+                       "last": out.last_hidden[row, :t].to(store_dtype).contiguous().cpu()}  # [T, d]
+            path = _sample_path(root, i)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            save_file(tensors, str(tmp), metadata={"id": samples[i].id, "length": str(t)})
+            os.replace(tmp, path)
+            bar.update(t)
+    bar.close()
+    (root / _COMPLETE).write_text(json.dumps({"num_samples": len(samples), "dtype": dtype}))
+    return root
+
+
+def load_sample_features(root: str | Path, index: int, expected_length: int) -> dict[str, torch.Tensor]:
+    """``{"aux", "last"}`` of sample ``index``; a missing, corrupt or mismatched file raises a clear error."""
+    path = _sample_path(Path(root), index)
+    try:
+        tensors = load_file(str(path))
+    except (FileNotFoundError, SafetensorError, OSError) as exc:
+        raise RuntimeError(f"feature file {path} is missing or corrupt ({exc}); delete it and re-run to "
+                           "recompute it") from exc
+    if tensors["aux"].shape[0] != expected_length:
+        raise RuntimeError(f"feature file {path} holds {tensors['aux'].shape[0]} rows but sample {index} has "
+                           f"{expected_length} tokens: the store does not belong to this data")
+    return tensors
+
+
+class FeatureDataset(Dataset):
+    """Rendered samples paired with their stored features (the i-th sample reads ``{i:07d}.safetensors``)."""
+
+    def __init__(self, samples: Sequence[RenderedSample], root: str | Path, indices: Sequence[int] | None = None):
+        self.samples = list(samples)
+        self.root = Path(root)
+        self.indices = list(indices) if indices is not None else list(range(len(self.samples)))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[RenderedSample, dict[str, torch.Tensor]]:
+        s = self.samples[i]
+        return s, load_sample_features(self.root, self.indices[i], len(s.input_ids))

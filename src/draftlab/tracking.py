@@ -1,0 +1,148 @@
+"""Run identity, W&B loggers and the self-describing run record.
+
+Every job (one ``draftlab-train`` / ``draftlab-eval`` invocation, or one job of a Hydra multirun) gets
+
+- a W&B run whose name, group and tags derive from the Hydra choices and overrides: name
+  ``<method>-<target>-<bench>[-<overrides>]``, group = ``wandb.group`` or the experiment name or the
+  multirun sweep directory, tags ``group:option`` for each choice plus each override. Offline unless
+  ``WANDB_MODE=online`` / ``DRAFTLAB_WANDB_OFFLINE=false``; the run is finished explicitly at the end of the
+  job, because Hydra's sequential launcher runs all jobs in one process and W&B would otherwise keep
+  logging the next job into the first job's run;
+- ``record.json`` in its run directory (schema ``draftlab.record/1``): resolved config, choices,
+  overrides, metrics, eval tables, training history, artifact keys, git commit and hardware, so
+  ``analysis/`` needs no server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from draftlab.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+RECORD_SCHEMA = "draftlab.record/1"
+# Choices worth naming a run by, in this order.
+_NAME_GROUPS = ("method", "target", "bench")
+_TAG_GROUPS = ("method", "target", "data", "bench", "trainer", "experiment")
+
+
+def hydra_context() -> dict[str, Any]:
+    """Choices, overrides, output dir and (multirun) sweep dir of the running Hydra job; {} outside Hydra."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    except Exception:  # noqa: BLE001 - not running under Hydra (tests, notebooks)
+        return {}
+    choices = {k: v for k, v in dict(hc.runtime.choices).items() if not k.startswith("hydra/") and v is not None}
+    multirun = str(hc.mode) == "RunMode.MULTIRUN"
+    return {"choices": choices, "overrides": list(hc.overrides.task), "output_dir": hc.runtime.output_dir,
+            "sweep_dir": str(hc.sweep.dir) if multirun else None, "job_num": hc.job.num if multirun else None}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=,-]+", "_", text).strip("_")
+
+
+def run_identity(cfg: DictConfig, ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"name", "group", "tags"}`` for this job (see the module docstring)."""
+    ctx = hydra_context() if ctx is None else ctx
+    choices = ctx.get("choices", {})
+    parts = [str(choices[g]) for g in _NAME_GROUPS if choices.get(g)]
+    overrides = [o for o in ctx.get("overrides", []) if not o.startswith(("experiment=", "paths.", "hydra."))]
+    name = "-".join(parts) or str(cfg.get("task_name", "run"))
+    if overrides:
+        name += "-" + ",".join(_slug(o.split(".")[-1]) for o in overrides)
+    group = (cfg.get("wandb") or {}).get("group") or choices.get("experiment")
+    if not group and ctx.get("sweep_dir"):
+        group = Path(ctx["sweep_dir"]).name
+    group = group or str(cfg.get("task_name", "draftlab"))
+    tags = [f"{g}:{choices[g]}" for g in _TAG_GROUPS if choices.get(g)] + [_slug(o) for o in overrides]
+    return {"name": name[:128], "group": str(group), "tags": tags[:64]}
+
+
+def make_loggers(cfg: DictConfig, identity: dict[str, Any]) -> list:
+    """Instantiate ``cfg.logger`` (a dict of logger configs) with the run identity filled in for W&B."""
+    from hydra.utils import instantiate
+
+    loggers = []
+    for key, lcfg in (cfg.get("logger") or {}).items():
+        if lcfg is None or "_target_" not in lcfg:
+            continue
+        kwargs = {}
+        if "WandbLogger" in lcfg._target_:
+            kwargs = {"name": identity["name"], "group": identity["group"], "tags": identity["tags"]}
+            if os.environ.get("WANDB_MODE", "").lower() == "online":
+                kwargs["offline"] = False
+        loggers.append(instantiate(lcfg, **kwargs))
+        log.info("logger %s: %s", key, lcfg._target_)
+    return loggers
+
+
+def wandb_run(loggers: list):
+    """The W&B run behind the first ``WandbLogger`` (created on first access), or None."""
+    for lg in loggers:
+        if type(lg).__name__ == "WandbLogger":
+            return lg.experiment
+    return None
+
+
+def finish_wandb() -> None:
+    """Close the current W&B run so the next job in this process starts a fresh one."""
+    try:
+        import wandb
+    except ImportError:  # pragma: no cover
+        return
+    if wandb.run is not None:
+        wandb.finish()
+
+
+def git_info(repo: str | Path | None = None) -> dict[str, Any]:
+    cwd = str(repo or Path(__file__).resolve().parent)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=cwd, capture_output=True, text=True, timeout=5)
+        if commit.returncode != 0:
+            return {"commit": None, "dirty": None}
+        return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def hardware_info() -> dict[str, Any]:
+    import torch
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "cpu": platform.processor()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def build_record(cfg: DictConfig, *, kind: str, identity: dict[str, Any], metrics: dict[str, float],
+                 artifacts: dict[str, Any], eval_result: dict | None = None, train: dict | None = None,
+                 ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+    ctx = hydra_context() if ctx is None else ctx
+    return {"schema": RECORD_SCHEMA, "kind": kind, "run_name": identity["name"], "group": identity["group"],
+            "tags": identity["tags"], "choices": ctx.get("choices", {}), "overrides": ctx.get("overrides", []),
+            "config": OmegaConf.to_container(cfg, resolve=True), "git": git_info(), "hardware": hardware_info(),
+            "artifacts": artifacts, "metrics": metrics, "eval": eval_result, "train": train}
+
+
+def write_record(run_dir: str | Path, record: dict[str, Any]) -> Path:
+    path = Path(run_dir) / "record.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=str))
+    os.replace(tmp, path)
+    return path

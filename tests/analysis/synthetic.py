@@ -1,0 +1,49 @@
+"""Builders of synthetic run records laid out as Hydra multirun sweeps (``<sweep>/<job>/record.json``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from analysis.results import TABLE_COLUMNS
+
+
+def columns(tau0: float, sr0: float, *, skip: tuple[str, ...] = (), override: dict | None = None) -> dict:
+    """Cells rising by 0.1 (τ) and 0.05 (SR) per column from WRIT's values; ``override`` pins cells."""
+    out = {}
+    for j, col in enumerate(TABLE_COLUMNS):
+        if col in skip:
+            continue
+        out[col] = {"tau": round(tau0 + 0.1 * j, 4), "speedup": round(sr0 + 0.05 * j, 4), "n_questions": 10,
+                    "method_tps": 100.0, "baseline_tps": 50.0}
+    for (col, key), value in (override or {}).items():
+        out[col][key] = value
+    return out
+
+
+def make_record(*, label: str, nodes: int | None = 30, temperature: float = 0.0, ttt_length: int | None = None,
+                cols: dict | None = None, accept_lengths: dict | None = None, history: list | None = None,
+                kind: str = "eval", bench: str = "specbench", target: str = "smollm2_135m",
+                run_name: str | None = None) -> dict:
+    method = {"EAGLE-3": "eagle3"}.get(label, "confu")
+    ev = None
+    if kind == "eval":
+        ev = {"bench": bench, "method": method, "label": label, "temperature": temperature, "draft_nodes": nodes,
+              "ttt_length": ttt_length, "columns": cols or {}, "accept_lengths": accept_lengths or {},
+              "mismatches_vs_ar": 0 if temperature == 0 else None}
+    return {
+        "schema": "draftlab.record/1", "kind": kind, "run_name": run_name or f"{method}-n{nodes}-t{temperature}",
+        "group": "test", "tags": [], "choices": {"method": method, "target": target, "bench": bench},
+        "overrides": [], "config": {}, "git": {"commit": "0" * 40, "dirty": False}, "hardware": {},
+        "artifacts": {"draft": None, "data": None}, "metrics": {}, "eval": ev,
+        "train": {"history": history, "best": {}} if history else None,
+    }
+
+
+def write_sweep(root: Path, records: list[dict]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i, rec in enumerate(records):
+        d = root / str(i)
+        d.mkdir()
+        (d / "record.json").write_text(json.dumps(rec, indent=1))
+    return root

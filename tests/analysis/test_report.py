@@ -1,0 +1,176 @@
+"""draftlab-report on synthetic records: files written, PNGs real, deltas the right numbers, W&B guarded."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+from PIL import Image as PILImage
+
+from analysis.report import Heading, Image, Para, Report, TableBlock, build_report, main, publish_wandb_report
+from analysis.results import RecordWarning, load_records
+from tests.analysis.synthetic import columns, make_record, write_sweep
+
+
+def _single(tmp_path: Path, name: str, record: dict) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "record.json").write_text(json.dumps(record))
+    return d
+
+
+def _table_rows(md: str, heading: str) -> dict[str, list[str]]:
+    """Rows of the first Markdown table after ``heading``, keyed by their first cell."""
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("#") and heading in line)
+    rows = {}
+    for line in lines[start + 1:]:
+        if line.startswith("#"):
+            break
+        if line.startswith("| ") and not line.startswith("| :---"):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    a = _single(tmp_path, "eagle", make_record(label="EAGLE-3", cols=columns(3.0, 1.5),
+                                               accept_lengths={"1": 2, "2": 1, "4": 1}))
+    # ConFu: CODE τ pinned below EAGLE-3's (3.0 vs 3.2), RAG missing
+    b = _single(tmp_path, "confu", make_record(label="ConFu", cols=columns(3.4, 1.7, skip=("RAG",),
+                                                                           override={("CODE", "tau"): 3.0}),
+                                               accept_lengths={"2": 1, "3": 2, "5": 1}))
+    history = [{"step": s, "train/loss": 3.0 - 0.1 * s, "val/simulated_tau": 1.0 + 0.2 * s} for s in range(6)]
+    t = write_sweep(tmp_path / "train", [
+        make_record(label="ConFu", kind="train", history=history, run_name="ttt4"),
+        make_record(label="ConFu", kind="train", history=history[:4], run_name="ttt7"),
+    ])
+    return a, b, t
+
+
+def test_two_runs_markdown_and_html(two_runs, tmp_path):
+    a, b, t = two_runs
+    out = tmp_path / "report"
+    assert main([str(a), str(b), str(t), "--out", str(out), "--format", "both"]) == 0
+    md = (out / "report.md").read_text()
+    html = (out / "report.html").read_text()
+
+    pngs = sorted(out.glob("*.png"))
+    assert [p.name for p in pngs] == ["group0_speedup.png", "group0_survival.png", "group0_tau.png",
+                                      "train_train_loss.png", "train_val_simulated_tau.png"]
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+        with PILImage.open(p) as im:
+            im.verify()
+        with PILImage.open(p) as im:
+            assert im.size[0] >= 400 and im.size[1] >= 300
+        assert f"]({p.name})" in md  # linked from the Markdown, relative
+    # the HTML stands alone: every figure inlined, nothing linked
+    assert html.count('src="data:image/png;base64,') == len(pngs) and 'src="group' not in html
+
+    deltas = _table_rows(md, "Δ vs eagle")
+    assert list(deltas) == ["Entry", "confu"]
+    cells = dict(zip(["WRIT", "RP", "CODE", "EXT", "STEM", "HUM", "SUMM", "TRAN", "QA", "RAG", "M/R", "AVG",
+                      "AVG relative"], deltas["confu"]))
+    assert cells["WRIT"] == "+0.40 / +0.20"  # (3.4 - 3.0) / (1.7 - 1.5)
+    assert cells["CODE"] == "-0.20 / +0.20"  # 3.0 - (3.0 + 0.2); SR 1.8 - 1.6
+    assert cells["RAG"] == "– / –"  # missing on one side
+    # AVG: τ 4.5 vs 4.1 -> +0.40 and +9.8 %; SR 2.25 vs 2.05 -> +0.20 and +9.8 %
+    assert cells["AVG"] == "+0.40 / +0.20" and cells["AVG relative"] == "+9.8% / +9.8%"
+
+    values = _table_rows(md, "Values")
+    assert values["eagle"][0] == "3.00 / 1.50" and values["confu"][9] == "– / –"
+
+    # survival, draft tokens = length - 1: eagle {0:2, 1:1, 3:1} of 4, confu {1:1, 2:2, 4:1} of 4
+    surv = _table_rows(md, "Acceptance survival")
+    assert surv["l"] == ["eagle", "confu"]
+    assert [surv[str(n)] for n in range(5)] == [["1.000", "1.000"], ["0.500", "1.000"], ["0.250", "0.750"],
+                                                ["0.250", "0.250"], ["0.000", "0.250"]]
+    # two train records in one source: named by run
+    assert "train/ttt4" in md and "train/ttt7" in md
+
+
+def test_sweeps_are_compared_per_setting(main_sweep, tmp_path):
+    better = write_sweep(tmp_path / "new", [
+        make_record(label="ConFu", temperature=0.0, cols=columns(3.6, 1.9)),
+        make_record(label="ConFu", temperature=0.7, cols=columns(3.3, 1.6)),
+    ])
+    with pytest.warns(RecordWarning):
+        sources = [("old", load_records(main_sweep)), ("new", load_records(better))]
+    report = build_report(sources, tmp_path / "out", reference="new/ConFu")
+    from analysis.report import render_markdown
+
+    md = render_markdown(report, tmp_path / "out")
+    headings = [line for line in md.splitlines() if line.startswith("## ")]
+    assert headings[:4] == ["## Runs", "## specbench, nodes=30, T=0.0", "## specbench, nodes=30, T=0.7",
+                            "## specbench, nodes=60, T=0.0"]
+    # within (30, 0.0) the reference is new/ConFu (τ 3.6, SR 1.9 at WRIT); old EAGLE-3 runs are 2.9 and 3.1
+    section = md.split("## specbench, nodes=30, T=0.0")[1].split("## specbench")[0]
+    deltas = _table_rows(section, "Δ vs new/ConFu")
+    assert list(deltas) == ["Entry", "old/EAGLE-3 [0]", "old/ConFu", "old/EAGLE-3 [2]"]
+    assert deltas["old/ConFu"][0] == "-0.20 / -0.20"  # 3.4 - 3.6, 1.7 - 1.9
+    assert (tmp_path / "out" / "group2_tau.png").is_file()
+    assert not list((tmp_path / "out").glob("group2_survival.png"))  # no accept lengths recorded
+
+
+def test_errors(tmp_path, capsys):
+    assert main([str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
+    assert "no run records under empty" in capsys.readouterr().err
+
+
+def test_wandb_is_guarded(tmp_path, monkeypatch):
+    report = Report("r", blocks=[Heading(2, "Runs"), TableBlock(["Entry", "WRIT"], [["a", "3.00 / 1.50"]]),
+                                 Para("text"), Heading(3, "sub"), Image(tmp_path / "out" / "x.png", "x")])
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.warns(RuntimeWarning, match="offline"):
+        assert publish_wandb_report(report, tmp_path / "out", project="p") is None
+
+    # online, with a stand-in for wandb_workspaces so nothing leaves the machine
+    monkeypatch.setenv("WANDB_MODE", "online")
+    saved = []
+
+    class _Block:
+        def __init__(self, text=None):
+            self.text = text
+
+    class _Report:
+        def __init__(self, **kwargs):
+            self.kwargs, self.blocks, self.url = kwargs, [], "https://example.invalid/r"
+
+        def save(self):
+            saved.append(self)
+
+    wr = types.SimpleNamespace(Report=_Report, H1=_Block, H2=_Block, P=_Block, MarkdownBlock=_Block)
+    pkg = types.ModuleType("wandb_workspaces")
+    reports = types.ModuleType("wandb_workspaces.reports")
+    v2 = types.ModuleType("wandb_workspaces.reports.v2")
+    v2.__dict__.update(vars(wr))
+    pkg.reports, reports.v2 = reports, v2
+    monkeypatch.setitem(sys.modules, "wandb_workspaces", pkg)
+    monkeypatch.setitem(sys.modules, "wandb_workspaces.reports", reports)
+    monkeypatch.setitem(sys.modules, "wandb_workspaces.reports.v2", v2)
+    assert publish_wandb_report(report, tmp_path / "out", project="p", entity="e") == "https://example.invalid/r"
+    assert saved[0].kwargs["project"] == "p" and saved[0].kwargs["entity"] == "e"
+    texts = [blk.text for blk in saved[0].blocks]
+    assert texts == ["Runs", "| Entry | WRIT |\n| :--- | ---: |\n| a | 3.00 / 1.50 |\n", "text", "sub", "[figure: x.png]"]
+
+    def boom(self):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(_Report, "save", boom)
+    with pytest.warns(RuntimeWarning, match="no network"):
+        assert publish_wandb_report(report, tmp_path / "out", project="p") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        monkeypatch.delitem(sys.modules, "wandb_workspaces.reports.v2")
+        monkeypatch.setitem(sys.modules, "wandb_workspaces.reports.v2", None)  # import now fails
+        with pytest.raises(RuntimeWarning, match="not installed"):
+            publish_wandb_report(report, tmp_path / "out", project="p")

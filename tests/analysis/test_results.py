@@ -1,0 +1,97 @@
+"""Loading run records: recursion and order, skipped non-records, errors that name the file, grouping."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from analysis.results import (
+    RecordError,
+    RecordWarning,
+    columns_from_metrics,
+    format_temperature,
+    group_records,
+    load_records,
+)
+from tests.analysis.synthetic import columns, make_record, write_sweep
+
+
+def test_recursive_natural_order_and_skips(tmp_path):
+    recs = [make_record(label=f"L{i}", temperature=0.1 * i) for i in range(11)]
+    sweep = write_sweep(tmp_path / "sweep", recs)
+    (sweep / "3" / "record.json").write_text(json.dumps({"schema": "other/1"}))  # not ours
+    (sweep / "summary.json").write_text("{}")  # only files named record.json are searched
+    with pytest.warns(RecordWarning, match=r"sweep/3/record\.json: not a draftlab run record"):
+        loaded = load_records(sweep, sweep / "5", sweep / "5" / "record.json")  # overlaps read once
+    # Hydra job numbers sort numerically: 10 after 9
+    assert [r.run_dir.name for r in loaded] == ["0", "1", "2", "4", "5", "6", "7", "8", "9", "10"]
+    assert load_records(tmp_path / "sweep" / "0", kind="train") == []
+    assert len(load_records(sweep / "0", kind="eval")) == 1
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("{oops", "malformed JSON at line 1"),
+        (json.dumps({"schema": "draftlab.record/2", "kind": "eval", "run_name": "x"}), "unsupported schema"),
+        (json.dumps({"schema": "draftlab.record/1", "kind": "sample", "run_name": "x"}), "'kind' must be"),
+        (json.dumps({"schema": "draftlab.record/1", "kind": "eval"}), "'run_name' missing"),
+        (json.dumps({"schema": "draftlab.record/1", "kind": "eval", "run_name": "x",
+                     "eval": {"columns": {"WRIT": {"tau": "4.0"}}}}), r"'eval\.columns\.WRIT\.tau'"),
+        (json.dumps({"schema": "draftlab.record/1", "kind": "eval", "run_name": "x",
+                     "eval": {"accept_lengths": {"one": 3}}}), r"'eval\.accept_lengths' entry 'one'"),
+        (json.dumps({"schema": "draftlab.record/1", "kind": "train", "run_name": "x",
+                     "train": {"history": [{"loss": 1.0}]}}), r"'train\.history\[0\]\.step'"),
+        (json.dumps({"schema": "draftlab.record/1", "kind": "eval", "run_name": "x", "tags": "a"}), "'tags' must be"),
+    ],
+)
+def test_malformed_records_name_the_file(tmp_path, content, match):
+    path = tmp_path / "run" / "record.json"
+    path.parent.mkdir()
+    path.write_text(content)
+    with pytest.raises(RecordError, match=match) as info:
+        load_records(tmp_path)
+    assert str(info.value).startswith(str(path))
+
+
+def test_missing_path_is_an_error(tmp_path):
+    with pytest.raises(RecordError, match="no such file"):
+        load_records(tmp_path / "absent")
+
+
+def test_accessors_and_columns_from_metrics(tmp_path):
+    rec = make_record(label="ConFu", ttt_length=7, accept_lengths={"3": 2, "1": 5})
+    rec["eval"]["columns"] = {}
+    rec["metrics"] = {"eval/specbench/M/R/tau": 4.2, "eval/specbench/M/R/speedup": 2.1, "eval/specbench/AVG/tau": 4.0,
+                      "eval/mtbench/WRIT/tau": 9.9, "train/acc_0": 0.5, "eval/specbench/AVG/other": 1.0}
+    path = _write(tmp_path, rec)
+    (r,) = load_records(path)
+    assert r.columns == {"M/R": {"tau": 4.2, "speedup": 2.1}, "AVG": {"tau": 4.0}}
+    assert r.value("M/R", "tau") == 4.2 and r.value("WRIT", "tau") is None and r.value("AVG", "speedup") is None
+    assert r.accept_lengths == {1: 5, 3: 2}
+    assert (r.label, r.method, r.bench, r.target, r.ttt_length) == ("ConFu", "confu", "specbench", "smollm2_135m", 7)
+    assert r.get("git.commit") == "0" * 40 and r.get("git.nope", "d") == "d"
+    assert columns_from_metrics(rec["metrics"], None)["WRIT"] == {"tau": 9.9}
+
+
+def _write(tmp_path, rec):
+    d = tmp_path / rec["run_name"]
+    d.mkdir()
+    (d / "record.json").write_text(json.dumps(rec))
+    return d
+
+
+def test_group_records(main_sweep):
+    with pytest.warns(RecordWarning):
+        rs = load_records(main_sweep, kind="eval")
+    by_setting = group_records(rs, ["draft_nodes", "temperature"])
+    assert list(by_setting) == [(30, 0.0), (30, 0.7), (60, 0.0)]
+    assert [r.label for r in by_setting[(30, 0.0)]] == ["EAGLE-3", "ConFu", "EAGLE-3"]
+    assert list(group_records(rs, "choices.method")) == ["eagle3", "confu"]
+    assert list(group_records(rs, lambda r: r.value("WRIT", "tau") > 3.05)) == [False, True]
+    assert columns(1.0, 1.0)["AVG"]["tau"] == pytest.approx(2.1)
+
+
+def test_format_temperature():
+    assert [format_temperature(t) for t in (0, 0.0, 0.7, 1, 0.75, None)] == ["0.0", "0.0", "0.7", "1.0", "0.75", None]

@@ -1,0 +1,118 @@
+"""draftlab-table against committed golden Markdown/LaTeX (set DRAFTLAB_UPDATE_GOLDEN=1 to rewrite them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+from analysis.results import RecordWarning
+from analysis.table import TableError, build_table, load_records, main, render_markdown
+from tests.analysis.synthetic import columns, make_record, write_sweep
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("DRAFTLAB_UPDATE_GOLDEN") == "1":
+        path.write_text(text, encoding="utf-8")
+    assert text == path.read_text(encoding="utf-8"), f"{name} differs from its golden file"
+
+
+def _run(capsys, *argv) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecordWarning)
+        assert main([str(a) for a in argv]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "sweep, layout, fmt, cell, golden",
+    [
+        ("main_sweep", "table1", "markdown", "split", "table1.md"),
+        ("main_sweep", "table1", "latex", "split", "table1.tex"),
+        ("main_sweep", "table1", "markdown", "joint", "table1_joint.md"),
+        ("ablation_sweep", "table4", "markdown", "split", "table4.md"),
+        ("ablation_sweep", "table4", "latex", "split", "table4.tex"),
+        ("length_sweep", "table6", "markdown", "split", "table6.md"),
+        ("length_sweep", "table6", "latex", "split", "table6.tex"),
+    ],
+)
+def test_golden(request, capsys, sweep, layout, fmt, cell, golden):
+    root = request.getfixturevalue(sweep)
+    out = _run(capsys, root, "--layout", layout, "--format", fmt, "--cell", cell)
+    _check_golden(golden, out)
+
+
+def test_cells_bold_and_missing(main_sweep):
+    with pytest.warns(RecordWarning, match="not a draftlab run record"):
+        records = load_records(main_sweep)
+    table = build_table(records, "table1")
+    rows = {tuple(r.keys): r for r in table.rows}
+    assert list(rows) == [("EAGLE-3", "30", "0.0"), ("ConFu", "30", "0.0"), ("EAGLE-3", "30", "0.7"),
+                          ("ConFu", "30", "0.7"), ("ConFu", "60", "0.0")]
+    eagle = rows[("EAGLE-3", "30", "0.0")]
+    assert eagle.n_runs == 2
+    # the two runs' WRIT cells (2.9, 1.4) and (3.1, 1.6) average to (3.0, 1.5)
+    assert eagle.values["WRIT"]["tau"] == pytest.approx(3.0) and eagle.values["WRIT"]["speedup"] == pytest.approx(1.5)
+    md = render_markdown(table).splitlines()
+    assert md[0].startswith("| Method | Nodes | T | WRIT τ | WRIT SR | RP τ |") and md[0].endswith("AVG τ | AVG SR |")
+    cells = {line.split(" | ")[0][2:] + "@" + line.split(" | ")[1] + "@" + line.split(" | ")[2]: line.split(" | ")
+             for line in md[2:]}
+    confu_07 = cells["ConFu@30@0.7"]
+    # RAG is column 10 -> τ/SR at fields 3 + 2*9 and 3 + 2*9 + 1
+    assert confu_07[3 + 18] == "–" and confu_07[3 + 19] == "–"
+    # CODE τ: EAGLE-3 pinned 5.5 beats ConFu's 3.6; WRIT τ: ConFu 3.40 beats 3.00
+    assert cells["EAGLE-3@30@0.0"][3 + 4] == "**5.50**" and cells["ConFu@30@0.0"][3 + 4] == "3.60"
+    assert cells["ConFu@30@0.0"][3] == "**3.40**" and cells["EAGLE-3@30@0.0"][3] == "3.00"
+    # STEM τ tie at 3.20 in (30, 0.7): both bold
+    assert cells["EAGLE-3@30@0.7"][3 + 8] == "**3.20**" and confu_07[3 + 8] == "**3.20**"
+    # a setting with a single row bolds nothing
+    assert "**" not in "".join(cells["ConFu@60@0.0"])
+
+
+def test_out_file_both_formats_and_filters(main_sweep, tmp_path, capsys):
+    out = tmp_path / "tables" / "t1"
+    with pytest.warns(RecordWarning):
+        assert main([str(main_sweep), "--format", "both", "--out", str(out), "--nodes", "30",
+                     "--temperature", "0.7", "--label", "ConFu", "--label", "EAGLE-3"]) == 0
+    md = (tmp_path / "tables" / "t1.md").read_text()
+    tex = (tmp_path / "tables" / "t1.tex").read_text()
+    lines = md.splitlines()
+    assert len(lines) == 4 and lines[2].startswith("| ConFu | 30 | 0.7 |") and lines[3].startswith("| EAGLE-3 |")
+    assert tex.startswith(r"\begin{tabular}") and r"\textbf{" in tex
+
+
+def test_errors(tmp_path, main_sweep, capsys):
+    other = write_sweep(tmp_path / "other", [make_record(label="ConFu", target="llama3_8b", cols=columns(3, 1))])
+    with pytest.warns(RecordWarning):
+        assert main([str(main_sweep), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "mix 2 bench/target setups" in err and "--target" in err
+    with pytest.warns(RecordWarning):
+        assert main([str(main_sweep), str(other), "--target", "llama3_8b"]) == 0
+    capsys.readouterr()
+
+    with pytest.warns(RecordWarning), pytest.raises(TableError, match="2 records for row"):
+        build_table(load_records(main_sweep), duplicates="error")
+    with pytest.warns(RecordWarning), pytest.raises(TableError, match="one tree budget"):
+        build_table(load_records(main_sweep), "table4")
+
+    broken = tmp_path / "broken" / "0"
+    broken.mkdir(parents=True)
+    (broken / "record.json").write_text(json.dumps({"schema": "draftlab.record/1", "kind": "eval", "run_name": "x",
+                                                    "eval": {"temperature": "hot"}}))
+    assert main([str(broken.parent)]) == 2
+    err = capsys.readouterr().err
+    assert str(broken / "record.json") in err and "eval.temperature" in err
+
+
+def test_label_order_and_dash_labels(ablation_sweep, capsys):
+    assert main([str(ablation_sweep), "--layout", "table4", "--label=-MoE", "--label", "ConFu",
+                 "--temperature", "0"]) == 0
+    rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == ["-MoE", "ConFu"]

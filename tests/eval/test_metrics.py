@@ -1,0 +1,186 @@
+"""Spec-Bench metrics on a hand-made pair of answer files, every expected number worked out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftlab.data.benchmarks import Question
+from draftlab.data.errors import DataError
+from draftlab.decoding.engine import DecodeStats
+from draftlab.eval.answer import TurnAnswer
+from draftlab.eval.answers import answer_record, load_answers, write_answer
+from draftlab.eval.metrics import (
+    accept_histogram,
+    accept_length_survival,
+    mismatched_questions,
+    mismatches,
+    speed_metrics,
+)
+
+
+def _answer(qid, category, turns, new_tokens, wall_time, accept_lengths):
+    return {"question_id": qid, "category": category, "answer_id": f"a{qid}", "model_id": "m", "tstamp": 0.0,
+            "choices": [{"index": 0, "turns": turns, "decoding_steps": [1] * len(turns), "new_tokens": new_tokens,
+                         "wall_time": wall_time, "accept_lengths": accept_lengths}]}
+
+
+# Method: per-question throughput sum(new_tokens)/sum(wall_time)
+#   q1 writing         (6+4)/(1.0+1.0) = 5.0   accept [3,3,2,2]
+#   q2 math            9/1.5           = 6.0   accept [4,4,1]
+#   q3 math_reasoning  8/2.0           = 4.0   accept [2,2,4]
+#   q4 coding          12/2.0          = 6.0   accept [5,5,2]
+METHOD = [
+    _answer(1, "writing", ["w1", "w2"], [6, 4], [1.0, 1.0], [3, 3, 2, 2]),
+    _answer(2, "math", ["m"], [9], [1.5], [4, 4, 1]),
+    _answer(3, "math_reasoning", ["g"], [8], [2.0], [2, 2, 4]),
+    _answer(4, "coding", ["spec code"], [12], [2.0], [5, 5, 2]),
+]
+# Baseline (vanilla, accept lengths all 1):
+#   q1 (6+4)/(2.0+3.0) = 2.0, q2 9/4.5 = 2.0, q3 8/4.0 = 2.0, q4 12/3.0 = 4.0,
+#   q5 is a qa question the method never answered: matched by id, so it must not count.
+BASELINE = [
+    _answer(1, "writing", ["w1", "w2"], [6, 4], [2.0, 3.0], [1] * 10),
+    _answer(2, "math", ["m"], [9], [4.5], [1] * 9),
+    _answer(3, "math_reasoning", ["g"], [8], [4.0], [1] * 8),
+    _answer(4, "coding", ["ar code"], [12], [3.0], [1] * 12),
+    _answer(5, "qa", ["q"], [5], [0.5], [1] * 5),
+]
+
+
+@pytest.fixture
+def files(tmp_path):
+    paths = {}
+    for name, rows in (("method", METHOD), ("baseline", BASELINE)):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return paths
+
+
+def _close(got: dict, expected: dict):
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value), key
+
+
+def test_columns_categories_and_pooled_avg(files):
+    m = speed_metrics(files["method"], files["baseline"])
+    assert list(m["columns"]) == ["WRIT", "CODE", "M/R"]  # ConFu's column order, absent columns left out
+    # WRIT: tau mean[3,3,2,2] = 10/4 = 2.5; SR 5.0/2.0 = 2.5
+    _close(m["columns"]["WRIT"], {"tau": 2.5, "speedup": 2.5, "n_questions": 1, "method_tps": 5.0,
+                                  "baseline_tps": 2.0})
+    # CODE: tau (5+5+2)/3 = 4.0; SR 6.0/4.0 = 1.5
+    _close(m["columns"]["CODE"], {"tau": 4.0, "speedup": 1.5, "n_questions": 1})
+    # M/R pools math and math_reasoning: tau (4+4+1+2+2+4)/6 = 17/6 = 2.8333;
+    # SR mean(6.0,4.0)/mean(2.0,2.0) = 5.0/2.0 = 2.5
+    _close(m["columns"]["M/R"], {"tau": 2.8333333333, "speedup": 2.5, "n_questions": 2, "method_tps": 5.0,
+                                 "baseline_tps": 2.0})
+    # categories keep the two M/R parts apart: math tau 9/3 = 3.0, SR 6/2 = 3.0; math_reasoning 8/3, 4/2 = 2.0
+    assert set(m["categories"]) == {"writing", "math", "math_reasoning", "coding"}
+    _close(m["categories"]["math"], {"tau": 3.0, "speedup": 3.0, "n_questions": 1})
+    _close(m["categories"]["math_reasoning"], {"tau": 2.6666666667, "speedup": 2.0, "n_questions": 1})
+    # AVG pooled over all 4 questions: tau (10+9+8+12)/(4+3+3+3) = 39/13 = 3.0;
+    # method tps mean(5,6,4,6) = 5.25, baseline mean(2,2,2,4) = 2.5 (q5 excluded), SR 5.25/2.5 = 2.1
+    # (a mean of per-question ratios would give (2.5+3+2+1.5)/4 = 2.25 instead)
+    assert m["avg"] == "pooled"
+    _close(m["AVG"], {"tau": 3.0, "speedup": 2.1, "n_questions": 4, "method_tps": 5.25, "baseline_tps": 2.5})
+
+
+def test_mean_of_columns_avg(files):
+    m = speed_metrics(files["method"], files["baseline"], avg="columns")
+    # tau (2.5 + 4.0 + 17/6)/3 = 3.1111; SR (2.5 + 1.5 + 2.5)/3 = 2.1667; n = 1+1+2 = 4
+    _close(m["AVG"], {"tau": 3.1111111111, "speedup": 2.1666666667, "n_questions": 4})
+    with pytest.raises(ValueError, match="avg must be"):
+        speed_metrics(files["method"], files["baseline"], avg="median")
+
+
+def test_category_filter(files):
+    m = speed_metrics(METHOD, BASELINE, categories=["math", "math_reasoning"])
+    assert list(m["columns"]) == ["M/R"] and set(m["categories"]) == {"math", "math_reasoning"}
+    # AVG is the pooled figure of the subset, equal to the M/R column: tau 17/6, SR 5.0/2.0
+    _close(m["AVG"], {"tau": 2.8333333333, "speedup": 2.5, "n_questions": 2})
+    with pytest.raises(DataError, match="no method answers in categories"):
+        speed_metrics(METHOD, BASELINE, categories=["roleplay"])
+
+
+def test_swapped_files_give_reciprocal_speedup(files):
+    forward = speed_metrics(METHOD, BASELINE[:4])
+    backward = speed_metrics(BASELINE[:4], METHOD)
+    # 2.5 / 5.25 = 1 / 2.1 = 0.47619; the vanilla side's tau is exactly 1
+    assert backward["AVG"]["speedup"] == pytest.approx(0.4761904762)
+    assert backward["AVG"]["speedup"] * forward["AVG"]["speedup"] == pytest.approx(1.0)
+    for col in forward["columns"]:
+        assert backward["columns"][col]["speedup"] == pytest.approx(1 / forward["columns"][col]["speedup"])
+    assert backward["AVG"]["tau"] == 1.0
+    # the baseline file has q5, which the method file lacks
+    with pytest.raises(DataError, match=r"no answer for 1 method question\(s\): 5"):
+        speed_metrics(BASELINE, METHOD)
+
+
+def test_column_of_none_counts_in_avg_only():
+    method = METHOD + [_answer(9, "humaneval", ["h"], [4], [1.0], [4])]
+    base = BASELINE + [_answer(9, "humaneval", ["h"], [4], [2.0], [1] * 4)]
+    m = speed_metrics(method, base, column_of=lambda c: None if c == "humaneval" else "X")
+    assert list(m["columns"]) == ["X"] and m["columns"]["X"]["n_questions"] == 4
+    assert m["AVG"]["n_questions"] == 5 and "humaneval" in m["categories"]
+    with pytest.raises(DataError, match="no table column"):
+        speed_metrics(method, base)
+
+
+def test_mismatches_and_histogram(files):
+    assert mismatches(files["method"], files["baseline"]) == 1  # q4's turn differs
+    assert mismatched_questions(METHOD, BASELINE) == [4]
+    assert mismatches(BASELINE[:4], BASELINE[:4]) == 0
+    # pooled lengths [3,3,2,2] [4,4,1] [2,2,4] [5,5,2] -> 1:1, 2:2+2+1=5, 3:2, 4:2+1=3, 5:2
+    assert accept_histogram(METHOD) == {1: 1, 2: 5, 3: 2, 4: 3, 5: 2}
+
+
+def test_accept_length_survival():
+    # lengths count the bonus token: [1,2,2,4] -> draft tokens [0,1,1,3]
+    # P(>=0)=4/4, P(>=1)=3/4, P(>=2)=1/4, P(>=3)=1/4
+    expected = [(0, 1.0), (1, 0.75), (2, 0.25), (3, 0.25)]
+    assert accept_length_survival([1, 2, 2, 4]) == expected
+    assert accept_length_survival({"1": 1, "2": 2, "4": 1}) == expected  # histogram form, JSON keys
+    assert accept_length_survival([1, 2, 2, 4], bonus_included=False) == [
+        (0, 1.0), (1, 1.0), (2, 0.75), (3, 0.25), (4, 0.25)]
+    assert accept_length_survival([]) == []
+    with pytest.raises(ValueError):
+        accept_length_survival([0])
+
+
+def test_write_load_round_trip_and_record_builder(tmp_path):
+    stats = [DecodeStats(new_tokens=5, accept_lengths=[3, 1], wall_time=0.5),
+             DecodeStats(new_tokens=3, accept_lengths=[2], wall_time=0.25)]
+    turns = [TurnAnswer([1], [7] * 5, "first", stats[0]), TurnAnswer([1], [7] * 3, "second", stats[1])]
+    record = answer_record(Question(7, "writing", ["a", "b"]), turns, "eagle3-smollm2", temperature=0.0)
+    choice = record["choices"][0]
+    assert choice["turns"] == ["first", "second"] and choice["new_tokens"] == [5, 3]
+    assert choice["accept_lengths"] == [3, 1, 2] and choice["decoding_steps"] == [2, 1]
+    assert record["temperature"] == 0.0 and record["model_id"] == "eagle3-smollm2"
+    path = tmp_path / "sub" / "answers.jsonl"
+    write_answer(path, record)
+    write_answer(path, _answer(8, "coding", ["x"], [2], [0.1], [2]))
+    loaded = load_answers(path)
+    assert [r["question_id"] for r in loaded] == [7, 8] and loaded[0] == record
+
+
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ("{not json", r"answers\.jsonl:2: malformed JSON"),
+        (json.dumps({"question_id": 2, "category": "qa"}), r"answers\.jsonl:2: field 'choices'"),
+        (json.dumps(_answer(2, "qa", ["a", "b"], [1], [1.0], [1])), r":2: field 'choices\[0\]\.new_tokens'"),
+        (json.dumps(_answer(2, "qa", ["a"], [1], [-1.0], [1])), r":2: field 'choices\[0\]\.wall_time\[0\]'"),
+        (json.dumps(_answer(1, "qa", ["a"], [1], [1.0], [1])), r":2: field 'question_id': .*already answered on line 1"),
+    ],
+)
+def test_load_answers_errors_name_file_and_line(tmp_path, line, match):
+    path = tmp_path / "answers.jsonl"
+    path.write_text(json.dumps(_answer(1, "qa", ["a"], [1], [1.0], [1])) + "\n" + line + "\n")
+    with pytest.raises(DataError, match=match):
+        load_answers(path)
+
+
+def test_zero_wall_time_is_an_error():
+    with pytest.raises(DataError, match="question 1: total wall_time is 0"):
+        speed_metrics([_answer(1, "qa", ["a"], [1], [0.0], [1])], [_answer(1, "qa", ["a"], [1], [1.0], [1])])
