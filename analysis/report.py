@@ -233,7 +233,7 @@ def collect_entries(sources: Sequence[tuple[str, list[Record]]]) -> list[Entry]:
     """Eval entries of all sources, named by source, plus the row label when a source holds several."""
     entries: list[Entry] = []
     for source, records in sources:
-        evals = [r for r in records if r.kind == "eval"]
+        evals = [r for r in records if r.has_eval]
         for r in evals:
             name = source if len(evals) == 1 else f"{source}/{r.label}"
             entries.append(Entry(name=name, record=r, source=source))
@@ -253,7 +253,7 @@ def _dedupe(group: list[Entry]) -> None:
 def comparison_groups(sources: Sequence[tuple[str, list[Record]]], entries: Sequence[Entry]
                       ) -> list[tuple[str, list[Entry]]]:
     """``[(title, entries)]``: one group when no source has more than one eval record, else one per setting."""
-    eval_counts = [sum(r.kind == "eval" for r in recs) for _, recs in sources]
+    eval_counts = [sum(r.has_eval for r in recs) for _, recs in sources]
     if all(n <= 1 for n in eval_counts):  # sources holding only train records take no part here
         return [("All runs", list(entries))] if entries else []
     groups: dict[tuple, list[Entry]] = {}

@@ -66,6 +66,11 @@ class Record:
         return self.data["kind"]
 
     @property
+    def has_eval(self) -> bool:
+        """Whether the run evaluated something (``draftlab-train`` jobs evaluate after training too)."""
+        return bool(self.data.get("eval"))
+
+    @property
     def run_name(self) -> str:
         return self.data["run_name"]
 

@@ -1,6 +1,6 @@
 """Regenerate ConFu's Spec-Bench tables from sweep directories, as Markdown and/or LaTeX.
 
-Layouts (rows are built from ``kind == "eval"`` records; train records are ignored):
+Layouts (rows are built from records with an ``eval`` block; pure training records are ignored):
 
 * ``table1`` (Tables 1-3): rows Method x Nodes x T, every column with τ and SR; best per (Nodes, T).
 * ``table4`` (ablation): rows by label within each T; best per T.
@@ -79,7 +79,7 @@ class Table:
 
 def _select(records: Sequence[Record], *, bench=None, target=None, labels=None, nodes=None, temperatures=None
             ) -> list[Record]:
-    rs = [r for r in records if r.kind == "eval"]
+    rs = [r for r in records if r.has_eval]
     if bench is not None:
         rs = [r for r in rs if r.bench == bench]
     if target is not None:

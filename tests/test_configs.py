@@ -43,6 +43,15 @@ def test_primary_configs_compose(primary, tmp_path):
     assert cfg.task_name
 
 
+def test_local_parallel_launcher_composes():
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name=PRIMARY, overrides=["hydra/launcher=local_parallel", "experiment=eval_sweep"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("JoblibLauncher") and cfg.hydra.launcher.n_jobs == 2
+    assert dict(cfg.hydra.sweeper.params) == {"eval.draft_nodes": "4,8", "eval.temperature": "0,0.7"}
+
+
 def test_every_config_file_is_covered():
     groups = {g.split("/")[0] for g, _ in _options()}
     assert {"target", "data", "bench", "method", "trainer", "logger", "callbacks", "experiment", "debug"} <= groups

@@ -11,8 +11,8 @@ from tests.test_configs import _compose
 def test_data_stage_runs_and_reuses_artifacts(tmp_path, monkeypatch):
     from draftlab.stages.data import run_data_stage
 
-    monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
-    overrides = ["target=tiny_random", "debug=default", "regen.max_new_tokens=4", "vocab.draft_vocab_size=256"]
+    overrides = ["target=tiny_random", "debug=default", "regen.max_new_tokens=4", "vocab.draft_vocab_size=256",
+                 f"paths.artifacts={tmp_path / 'artifacts'}"]
     cfg = _compose(overrides, tmp_path)
     first = run_data_stage(cfg)
     assert first.regen_report.complete and first.regen_report.success == 8

@@ -3,8 +3,8 @@
 Every job (one ``draftlab-train`` / ``draftlab-eval`` invocation, or one job of a Hydra multirun) gets
 
 - a W&B run whose name, group and tags derive from the Hydra choices and overrides: name
-  ``<method>-<target>-<bench>[-<overrides>]``, group = ``wandb.group`` or the experiment name or the
-  multirun sweep directory, tags ``group:option`` for each choice plus each override. Offline unless
+  ``<method>-<target>-<bench>[-<overrides>]``, group = ``wandb.group`` or the experiment (else task)
+  name, suffixed with ``/<sweep dir name>`` inside a multirun, tags ``group:option`` for each choice plus each override. Offline unless
   ``WANDB_MODE=online`` / ``DRAFTLAB_WANDB_OFFLINE=false``; the run is finished explicitly at the end of the
   job, because Hydra's sequential launcher runs all jobs in one process and W&B would otherwise keep
   logging the next job into the first job's run;
@@ -43,10 +43,16 @@ def hydra_context() -> dict[str, Any]:
         hc = HydraConfig.get()
     except Exception:  # noqa: BLE001 - not running under Hydra (tests, notebooks)
         return {}
-    choices = {k: v for k, v in dict(hc.runtime.choices).items() if not k.startswith("hydra/") and v is not None}
-    multirun = str(hc.mode) == "RunMode.MULTIRUN"
-    return {"choices": choices, "overrides": list(hc.overrides.task), "output_dir": hc.runtime.output_dir,
-            "sweep_dir": str(hc.sweep.dir) if multirun else None, "job_num": hc.job.num if multirun else None}
+    def get(key: str, default=None):
+        # Composed-but-not-launched configs (tests, notebooks) leave runtime fields unset.
+        return OmegaConf.select(hc, key, default=default, throw_on_missing=False)
+
+    choices = {k: v for k, v in dict(get("runtime.choices", {}) or {}).items()
+               if not k.startswith("hydra/") and v is not None}
+    multirun = str(get("mode")) == "RunMode.MULTIRUN"
+    return {"choices": choices, "overrides": list(get("overrides.task", []) or []),
+            "output_dir": get("runtime.output_dir"), "sweep_dir": str(get("sweep.dir")) if multirun else None,
+            "job_num": get("job.num") if multirun else None}
 
 
 def _slug(text: str) -> str:
@@ -62,10 +68,11 @@ def run_identity(cfg: DictConfig, ctx: dict[str, Any] | None = None) -> dict[str
     name = "-".join(parts) or str(cfg.get("task_name", "run"))
     if overrides:
         name += "-" + ",".join(_slug(o.split(".")[-1]) for o in overrides)
-    group = (cfg.get("wandb") or {}).get("group") or choices.get("experiment")
-    if not group and ctx.get("sweep_dir"):
-        group = Path(ctx["sweep_dir"]).name
-    group = group or str(cfg.get("task_name", "draftlab"))
+    group = (cfg.get("wandb") or {}).get("group")
+    if not group:
+        group = str(choices.get("experiment") or cfg.get("task_name", "draftlab"))
+        if ctx.get("sweep_dir"):  # every job of one multirun shares a group; separate sweeps do not
+            group += "/" + Path(ctx["sweep_dir"]).name
     tags = [f"{g}:{choices[g]}" for g in _TAG_GROUPS if choices.get(g)] + [_slug(o) for o in overrides]
     return {"name": name[:128], "group": str(group), "tags": tags[:64]}
 
@@ -83,7 +90,10 @@ def make_loggers(cfg: DictConfig, identity: dict[str, Any]) -> list:
             kwargs = {"name": identity["name"], "group": identity["group"], "tags": identity["tags"]}
             if os.environ.get("WANDB_MODE", "").lower() == "online":
                 kwargs["offline"] = False
-        loggers.append(instantiate(lcfg, **kwargs))
+        logger = instantiate(lcfg, **kwargs)
+        # The whole resolved job config, so a run can be filtered by any setting in the W&B UI.
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        loggers.append(logger)
         log.info("logger %s: %s", key, lcfg._target_)
     return loggers
 

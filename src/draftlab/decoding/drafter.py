@@ -42,8 +42,11 @@ class ExtraRows:
     """Rows appended to a verify pass that never enter the persistent cache (ConFu's contemplate tokens)."""
 
     embeds: torch.Tensor  # [R, d] input embeddings
-    tree_mask: torch.Tensor  # [R, N + R] bool: which tree nodes / extra rows each row sees (prefix always)
+    tree_mask: torch.Tensor  # [R, N + R] bool: which tree nodes / extra rows each row sees
     position_ids: torch.Tensor  # [R]
+    # [R] bool: whether each row sees the committed prefix; None = every row does. Rows that must not
+    # depend on the sequence (ConFu's soft prompts) set False.
+    sees_prefix: torch.Tensor | None = None
 
 
 @dataclass

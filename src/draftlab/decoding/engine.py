@@ -132,6 +132,8 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
             pos = torch.cat([pos, extra.position_ids.to(device)])
         rows = tree_mask.shape[0]
         mask = torch.cat([tree_mask.new_ones(rows, past), tree_mask], 1)  # [rows, past + rows]
+        if extra is not None and extra.sees_prefix is not None:
+            mask[n:, :past] = extra.sees_prefix.to(device)[:, None]
         vout = target.forward(ids if embeds is None else None, pos, cache, mask, return_aux=drafter.needs_aux,
                               input_embeds=embeds)
         result = verify(vout.logits[0, :n], tree, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,

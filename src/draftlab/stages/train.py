@@ -106,7 +106,28 @@ def _build_draft(cfg: DictConfig, target, vocab):
     from draftlab.methods.eagle3 import Eagle3Draft
 
     overrides = {k: v for k, v in OmegaConf.to_container(cfg.method.draft, resolve=True).items() if v is not None}
-    return Eagle3Draft.from_target(target, vocab_mapping=vocab, **overrides)
+    draft = Eagle3Draft.from_target(target, vocab_mapping=vocab, **overrides)
+    init = (cfg.method.get("init") or {}).get("lm_head", "random")
+    if init == "target":
+        init_head_from_target(draft, target)
+    elif init != "random":
+        raise ValueError(f"method.init.lm_head must be 'random' or 'target', got '{init}'")
+    return draft
+
+
+@torch.no_grad()
+def init_head_from_target(draft, target) -> None:
+    """Start ``lm_head`` (and the final norm) from the target's: row i = the target's row for draft id i.
+
+    EAGLE/SpecForge initialise the head randomly; speculators copies the target's rows (and freezes them).
+    Copying without freezing gives a short CPU run a head that already speaks the target's vocabulary.
+    """
+    head = target.model.get_output_embeddings().weight  # [V, d]
+    if head.shape[1] != draft.config.hidden_size:
+        raise ValueError(f"target head width {head.shape[1]} != draft hidden size {draft.config.hidden_size}")
+    draft.lm_head.weight.copy_(head[draft.target_ids().to(head.device)].to(draft.lm_head.weight.dtype))
+    final_norm = target.model.model.norm.weight
+    draft.norm.weight.copy_(final_norm.to(draft.norm.weight.dtype))
 
 
 def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> TrainResult:

@@ -207,69 +207,98 @@ class HFTarget:
         attn_mask    bool [B, T, S] or [T, S] with S = past + T (True = may attend); default causal.
         logits_rows  optional [R] indices of rows whose logits are needed (saves the LM head elsewhere).
         """
-        m = self._decoder()
-        x = m.embed_tokens(input_ids) if input_embeds is None else input_embeds.to(self.dtype)  # [B, T, d]
-        B, T, _ = x.shape
-        past = cache.reserve(T) if cache is not None else 0
-        S = past + T
-        if position_ids is None:
-            position_ids = torch.arange(past, S, device=x.device)
-        if position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0).expand(B, T)
-        cos_t, sin_t = self._rope_tables(int(position_ids.max()) + 1, x)
-        cos, sin = cos_t[position_ids].unsqueeze(1), sin_t[position_ids].unsqueeze(1)  # [B, 1, T, hd]
+        return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
+                                logits_rows, input_embeds, write_cache=True)
 
-        if attn_mask is None:
-            # Plain causal over the new rows; a single row needs no mask at all.
-            mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(past)
-        else:
-            if attn_mask.shape[-2:] != (T, S):
-                raise ValueError(f"attn_mask must be [.., {T}, {S}] (new rows x (past + new)), got {tuple(attn_mask.shape)}")
-            mask = attn_mask
-        if mask is not None:
-            mask = mask.view(-1, 1, T, S)  # [B|1, 1, T, S]
+    def forward_with_grad(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                          cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *,
+                          return_aux: bool = False, return_last_hidden: bool = False,
+                          logits_rows: torch.Tensor | None = None,
+                          input_embeds: torch.Tensor | None = None) -> TargetOutput:
+        """``forward`` under the caller's grad mode, differentiable w.r.t. ``input_embeds`` (the weights stay frozen).
 
-        g = self.geometry
-        H, Hkv, hd, d = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size
-        want_aux = return_aux and bool(self.aux_layer_ids)
-        capture_in = set(self.aux_layer_ids) if self.layer_convention is LayerConvention.INPUT_TO else set()
-        capture_out = set(self.aux_layer_ids) if self.layer_convention is LayerConvention.OUTPUT_OF else set()
-        captured: dict[int, torch.Tensor] = {}
-        for li, w in enumerate(self._layers):
-            if want_aux and li in capture_in:
-                captured[li] = x
-            h = F.rms_norm(x, (d,), w["ln1"], w["eps1"])
-            q, k, v = F.linear(h, w["wqkv"], w["bqkv"]).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
-            q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
-            k = k.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-            v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-            if w["q_norm"] is not None:  # qwen3 normalises q/k per head before RoPE
-                q, k = w["q_norm"](q), w["k_norm"](k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            if cache is not None:
-                k, v = cache.write(li, past, k, v)  # [B, Hkv, S, hd]
-            if T <= _GROUPED_ATTENTION_MAX_ROWS:
-                o = grouped_attention(q, k, v, mask, w["scaling"])  # [B, H, T, hd]
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w["scaling"], enable_gqa=Hkv != H)
-            x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * hd), w["wo"], w["bo"])
-            gate, up = F.linear(F.rms_norm(x, (d,), w["ln2"], w["eps2"]), w["wgu"]).chunk(2, dim=-1)
-            x = x + F.linear(w["act"](gate) * up, w["wd"])
-            if want_aux and li in capture_out:
-                captured[li] = x
-        aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if want_aux else None  # [B, T, 3d]
-        # The final hidden state of every row when asked for (offline features), independent of which
-        # rows need logits (an empty ``logits_rows`` skips the LM head entirely).
-        last = m.norm(x) if return_last_hidden else None  # [B, T, d]
-        if logits_rows is None:
-            hidden = last if last is not None else m.norm(x)  # [B, T, d]
-        else:
-            hidden = last[:, logits_rows] if last is not None else m.norm(x[:, logits_rows])  # [B, R, d]
-        if self._lm_head_t is not None and hidden.shape[0] * hidden.shape[1] == 1:
-            logits = hidden @ self._lm_head_t  # [1, 1, V]
-        else:
-            logits = self.model.lm_head(hidden)  # [B, T|R, V]
-        return TargetOutput(logits=logits, aux_hidden=aux, last_hidden=last)
+        The cache is only read: the new rows attend to its committed slots ``[0, cache.length)`` (as stored,
+        hence constant for autograd) and to each other, and nothing is written to it. Writing grad-carrying
+        keys into the shared cache buffer would let a later layer's write invalidate an earlier layer's
+        saved tensors, so the keys of each layer are concatenated instead.
+        """
+        return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
+                                logits_rows, input_embeds, write_cache=False)
 
     __call__ = forward
+
+
+def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
+                     logits_rows, input_embeds, *, write_cache: bool) -> TargetOutput:
+    # The body of ``HFTarget.forward`` / ``forward_with_grad``: identical arithmetic, only the cache
+    # handling differs (scratch write vs read-only concatenation).
+    m = target._decoder()
+    x = m.embed_tokens(input_ids) if input_embeds is None else input_embeds.to(target.dtype)  # [B, T, d]
+    B, T, _ = x.shape
+    if cache is None:
+        past = 0
+    else:
+        past = cache.reserve(T) if write_cache else cache.length
+    S = past + T
+    if position_ids is None:
+        position_ids = torch.arange(past, S, device=x.device)
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0).expand(B, T)
+    cos_t, sin_t = target._rope_tables(int(position_ids.max()) + 1, x)
+    cos, sin = cos_t[position_ids].unsqueeze(1), sin_t[position_ids].unsqueeze(1)  # [B, 1, T, hd]
+
+    if attn_mask is None:
+        # Plain causal over the new rows; a single row needs no mask at all.
+        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(past)
+    else:
+        if attn_mask.shape[-2:] != (T, S):
+            raise ValueError(f"attn_mask must be [.., {T}, {S}] (new rows x (past + new)), got {tuple(attn_mask.shape)}")
+        mask = attn_mask
+    if mask is not None:
+        mask = mask.view(-1, 1, T, S)  # [B|1, 1, T, S]
+
+    g = target.geometry
+    H, Hkv, hd, d = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size
+    want_aux = return_aux and bool(target.aux_layer_ids)
+    capture_in = set(target.aux_layer_ids) if target.layer_convention is LayerConvention.INPUT_TO else set()
+    capture_out = set(target.aux_layer_ids) if target.layer_convention is LayerConvention.OUTPUT_OF else set()
+    captured: dict[int, torch.Tensor] = {}
+    for li, w in enumerate(target._layers):
+        if want_aux and li in capture_in:
+            captured[li] = x
+        h = F.rms_norm(x, (d,), w["ln1"], w["eps1"])
+        q, k, v = F.linear(h, w["wqkv"], w["bqkv"]).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
+        k = k.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+        if w["q_norm"] is not None:  # qwen3 normalises q/k per head before RoPE
+            q, k = w["q_norm"](q), w["k_norm"](k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None and write_cache:
+            k, v = cache.write(li, past, k, v)  # [B, Hkv, S, hd]
+        elif cache is not None:
+            k = torch.cat([cache.k[li, :, :, :past], k], dim=2)  # [B, Hkv, S, hd]
+            v = torch.cat([cache.v[li, :, :, :past], v], dim=2)  # [B, Hkv, S, hd]
+        if T <= _GROUPED_ATTENTION_MAX_ROWS:
+            o = grouped_attention(q, k, v, mask, w["scaling"])  # [B, H, T, hd]
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w["scaling"], enable_gqa=Hkv != H)
+        x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * hd), w["wo"], w["bo"])
+        gate, up = F.linear(F.rms_norm(x, (d,), w["ln2"], w["eps2"]), w["wgu"]).chunk(2, dim=-1)
+        x = x + F.linear(w["act"](gate) * up, w["wd"])
+        if want_aux and li in capture_out:
+            captured[li] = x
+    aux = torch.cat([captured[i] for i in target.aux_layer_ids], dim=-1) if want_aux else None  # [B, T, 3d]
+    # The final hidden state of every row when asked for (offline features), independent of which
+    # rows need logits (an empty ``logits_rows`` skips the LM head entirely).
+    last = m.norm(x) if return_last_hidden else None  # [B, T, d]
+    if logits_rows is None:
+        hidden = last if last is not None else m.norm(x)  # [B, T, d]
+    else:
+        hidden = last[:, logits_rows] if last is not None else m.norm(x[:, logits_rows])  # [B, R, d]
+    if target._lm_head_t is not None and hidden.shape[0] * hidden.shape[1] == 1:
+        logits = hidden @ target._lm_head_t  # [1, 1, V]
+    else:
+        logits = target.model.lm_head(hidden)  # [B, T|R, V]
+    return TargetOutput(logits=logits, aux_hidden=aux, last_hidden=last)

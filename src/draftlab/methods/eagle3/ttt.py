@@ -144,7 +144,8 @@ def _shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
 def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target_logits: torch.Tensor,
                 loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None, *, ttt_length: int = 7,
                 step_weight: float = 0.8, normalization: str = "batch_tokens",
-                position_ids: torch.Tensor | None = None, naive: bool = False) -> TTTOutput:
+                position_ids: torch.Tensor | None = None, naive: bool = False,
+                attention: TTTAttention | None = None, row_mask: torch.Tensor | None = None) -> TTTOutput:
     """Unrolled EAGLE-3 training-time test over ``ttt_length`` steps.
 
     draft          an ``Eagle3Draft`` (anything with ``forward_step`` and ``d2t``/``t2d`` buffers).
@@ -156,6 +157,10 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
                    included); ``mask_sum``: by that step's ``sum(lm_k)`` (speculators; defined below).
     position_ids   [B, T] RoPE positions of step 0 (default 0..T-1); step k uses ``position_ids + k``.
     naive          use the brute-force concatenated-key attention (reference / benchmarks).
+    attention      a fresh ``TTTAttention`` (or subclass) to run the steps under, instead of the default
+                   ``TTTAttention(attention_mask, naive=naive)``; methods with extra keys pass their own.
+    row_mask       [B, T] optional per-row weight applied at EVERY step without shifting (row t stays
+                   excluded at all steps), on top of ``lm_k`` below.
 
     Per step k (all sums over batch and rows), ``lm_k[t] = loss_mask[t + k] * attention_mask[t + k + 1]``:
     EAGLE's unshifted-then-shifted loss mask, and additionally zero where the target row t+k+1 is padding
@@ -196,6 +201,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
     # A row can only be trained when its target position exists and is a real token.
     has_target_all = (attention_mask.float() if attention_mask is not None
                       else torch.ones(B, T, device=device))  # [B, T]
+    row_weight = row_mask.to(device=device, dtype=torch.float32) if row_mask is not None else None  # [B, T]
 
     with torch.no_grad():
         z = target_logits.to(torch.promote_types(target_logits.dtype, torch.float32))  # [B, T, V]
@@ -209,7 +215,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
         del z, z_d
 
     denom_bt = torch.tensor(float(B * T), device=device)
-    attention = TTTAttention(attention_mask, naive=naive)
+    attention = attention if attention is not None else TTTAttention(attention_mask, naive=naive)
     hidden = aux_hidden  # 3*d_t at step 0 (forward_step runs fc), the draft's own d-dim state afterwards
     prev_correct = torch.ones(B, T, dtype=torch.bool, device=device)
     total = None
@@ -220,6 +226,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
         hidden, logits = draft.forward_step(ids_k, hidden, position_ids + k, attention)  # [B, T, d], [B, T, V_d]
         p = _shift_left(p_all, k + 1)  # [B, T, V_d] row t targets x_{t+k+2}
         lm = _shift_left(loss_mask, k) * _shift_left(has_target_all, k + 1)  # [B, T]
+        if row_weight is not None:
+            lm = lm * row_weight
         pos_mask = lm * _shift_left(in_draft_all, k + 1)  # [B, T]
 
         logq = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # [B, T, V_d]

@@ -1,0 +1,151 @@
+"""ConFu training: EAGLE-3 training-time test with contemplate rows at sampled anchors.
+
+One step, for a batch of B right-padded sequences of length N:
+
+1. Target pass A (frozen, ``no_grad``) over the N tokens into a fresh target cache: aux features, teacher
+   logits and the prefix keys/values.
+2. K anchors per sequence among the response positions (``sample_anchors``), each with a ``[con]`` key
+   lag in ``[1, max_con_lag]`` (see ``contemplate``'s docstring for why the key lags).
+3. Target pass B (``contemplate``): s soft prompts + K contemplate rows, WITH grad w.r.t. the soft prompts
+   and the ``[con]`` MoE, through the frozen target, attending to the cached (constant) keys/values of
+   their prefix. N + s + K target rows in all, not 2N.
+4. Per anchor: ``f = fc(h_con)``, ``e_f = MoE_f(fc(F_a))``, and the future row's keys/values.
+5. EAGLE-3 TTT (``eagle3.ttt.ttt_forward``) where row t additionally attends to the future of its window
+   (``future_visibility``; the replication knobs live in ``ConFuConfig``); rows without a future are
+   left out of the loss at every step. Soft-label loss only, as EAGLE-3.
+
+Offline features are not used: pass B needs the target's keys/values of the prefix, which only a target
+pass gives, so the target always runs inside the step (its aux states and logits then come for free).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from draftlab.methods.confu.config import ConFuConfig
+from draftlab.methods.confu.contemplate import contemplate
+from draftlab.methods.confu.model import ConFuDraft, FutureTTTAttention, future_visibility
+from draftlab.methods.eagle3.module import Eagle3Module, cosine_with_warmup
+from draftlab.methods.eagle3.ttt import TTTOutput, ttt_forward
+
+
+def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, num_anchors: int, *,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """``[B, K]`` anchors per sequence, ascending, drawn uniformly without replacement; -1 pads short rows.
+
+    Candidates are response positions (``loss_mask``) whose next token is real (the anchor row consumes
+    it); ``K = min(num_anchors, N)``.
+    """
+    B, T = loss_mask.shape
+    real = attention_mask.bool() if attention_mask is not None else torch.ones_like(loss_mask, dtype=torch.bool)
+    cand = loss_mask.bool() & real  # [B, T]
+    cand[:, :-1] &= real[:, 1:]
+    cand[:, -1] = False
+    k = min(num_anchors, T)
+    scores = torch.rand(B, T, generator=generator).to(loss_mask.device)  # [B, T]
+    scores = scores.masked_fill(~cand, -1.0)
+    top, idx = scores.topk(k, dim=-1)  # [B, K]
+    idx = torch.where(top >= 0, idx, torch.full_like(idx, T))
+    idx = idx.sort(dim=-1).values
+    return torch.where(idx < T, idx, torch.full_like(idx, -1))
+
+
+def sample_lags(anchors: torch.Tensor, max_lag: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``[B, K]`` lags in ``[1, max_lag]`` for the ``[con]`` key, capped so that ``anchor - lag >= 0``."""
+    lags = torch.randint(1, max_lag + 1, anchors.shape, generator=generator).to(anchors.device)
+    return torch.minimum(lags, anchors.clamp(min=0))
+
+
+class ConFuModule(Eagle3Module):
+    """Trains a :class:`ConFuDraft` (draft, soft prompts, both MoEs) against a frozen target.
+
+    num_anchors  K_train, contemplate rows per sequence.
+    max_con_lag  the ``[con]`` MoE key is the target feature ``lag`` positions before the anchor, lag
+                 uniform in ``[1, max_con_lag]`` (at inference: the round's accept length).
+    confu_lr     learning rate of the ConFu parameters (soft prompts, MoEs, ``fc_f``); None = the optimiser's.
+    Everything else as ``Eagle3Module`` (TTT length, step weights, normalisation, optimiser, schedule).
+    """
+
+    def __init__(self, draft: ConFuDraft, target=None, *, num_anchors: int = 64, max_con_lag: int = 4,
+                 confu_lr: float | None = None, **eagle3_kwargs: Any):
+        if not isinstance(draft, ConFuDraft):
+            raise TypeError(f"ConFuModule trains a ConFuDraft, got {type(draft).__name__}")
+        if target is None:
+            raise ValueError("ConFu trains with the target in the loop: contemplate rows need its KV cache")
+        if num_anchors < 1 or max_con_lag < 1:
+            raise ValueError(f"need num_anchors >= 1 and max_con_lag >= 1, got {num_anchors}, {max_con_lag}")
+        super().__init__(draft, target, **eagle3_kwargs)
+        self.num_anchors = num_anchors
+        self.max_con_lag = max_con_lag
+        self.confu_lr = confu_lr
+        self.save_hyperparameters(ignore=["draft", "target", "target_lm_head", "optimizer"])
+
+    def _ttt(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
+        return self.confu_forward(batch)
+
+    def confu_forward(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor | None = None,
+                      lags: torch.Tensor | None = None) -> TTTOutput:
+        """The training loss of ``batch`` (module docstring); ``anchors`` / ``lags`` [B, K] fix the sampling."""
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        attn = batch.get("attention_mask")
+        B, T = ids.shape
+        cache = self.target.new_cache(B, T)
+        with torch.no_grad():
+            out = self.target.forward(ids, cache=cache, return_aux=True)
+        cache.commit(T)
+        aux, logits = out.aux_hidden, out.logits  # [B, T, 3*d_t], [B, T, V]
+        if anchors is None:
+            anchors = sample_anchors(loss_mask, attn, self.num_anchors)
+        anchors = anchors.to(ids.device)
+        if lags is None:
+            lags = sample_lags(anchors, self.max_con_lag)
+        lags = lags.to(ids.device)
+        draft = self.draft
+        a = anchors.clamp(min=0)
+        width = aux.shape[-1]
+        key_aux = aux.gather(1, (a - lags).clamp(min=0)[..., None].expand(-1, -1, width))  # [B, K, 3*d_t]
+        anchor_aux = aux.gather(1, a[..., None].expand(-1, -1, width))  # [B, K, 3*d_t]
+        con_aux = contemplate(self.target, cache, draft.soft_prompts, draft.contemplate_embedding(key_aux), anchors)
+        f = draft.future_vector(con_aux)  # [B, K, d]
+        e_f = draft.future_embedding(anchor_aux)  # [B, K, d]
+        future_kv = draft.future_kv(e_f, f, a)  # L x ([B, Hkv, K, hd], [B, Hkv, K, hd])
+        visible = future_visibility(anchors, T, draft.config.future_window)  # [B, T, K]
+        attention = FutureTTTAttention(None if attn is None else attn.bool(), future_kv, visible,
+                                       naive=self.naive_attention)
+        return ttt_forward(draft, ids, aux, logits, loss_mask, attn, ttt_length=self.ttt_length,
+                           step_weight=self.step_weight, normalization=self.normalization,
+                           attention=attention, row_mask=visible.any(-1))
+
+    # ---- optimisation ----------------------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        if self.confu_lr is None:
+            return super().configure_optimizers()
+        confu = {id(p) for p in self.draft.confu_parameters()}
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if id(p) not in confu]},
+                  {"params": [p for p in params if id(p) in confu], "lr": self.confu_lr}]
+        opt = self.optimizer_factory(groups)
+        total = self.total_steps or int(self.trainer.estimated_stepping_batches)
+        warmup = int(round(self.warmup_ratio * total))
+
+        def schedule(step: int) -> float:
+            return cosine_with_warmup(step, warmup_steps=warmup, total_steps=total, min_ratio=self.min_lr_ratio)
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---- checkpoints: the ConFu config replaces the EAGLE-3 one ----------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["confu_config"] = checkpoint.pop("eagle3_config")
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.pop("confu_config", None)
+        if saved is not None and ConFuConfig.from_dict(saved) != self.draft.config:
+            raise ValueError("checkpoint was trained with a different ConFu config:\n"
+                             f"  checkpoint: {saved}\n  this run:   {self.draft.config.to_dict()}")
+        super().on_load_checkpoint(checkpoint)

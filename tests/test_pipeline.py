@@ -1,0 +1,75 @@
+"""``draftlab-eval`` / ``draftlab-train`` stages in-process on the tiny target, through the real configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftlab.eval.answers import load_answers
+from tests.test_configs import _compose
+
+BASE = ["experiment=tiny", "logger=csv", "bench.limit=2", "eval.max_new_tokens=12"]
+
+
+def _cfg(tmp_path, *overrides):
+    return _compose([*BASE, f"paths.artifacts={tmp_path / 'artifacts'}", *overrides], tmp_path, "eval")
+
+
+def _env(monkeypatch, tmp_path, shared_data):
+    # Artifacts go to the test's directory; assets (the tokenizer) stay in the shared cache.
+    monkeypatch.setenv("DRAFTLAB_SHARED_DATA", str(shared_data))
+
+
+def test_eval_training_free_method_writes_answers_and_record(tmp_path, monkeypatch, shared_data):
+    from draftlab.stages.train import run_pipeline
+
+    _env(monkeypatch, tmp_path, shared_data)
+    record = run_pipeline(_cfg(tmp_path, "method=prompt_lookup"), stage="eval")
+    assert record["kind"] == "eval" and record["train"] is None and record["artifacts"]["draft"] is None
+    assert record["eval"]["mismatches_vs_ar"] == 0 and record["eval"]["label"] == "PLD"
+    saved = json.loads((tmp_path / "record.json").read_text())
+    assert saved["metrics"] == record["metrics"]
+    method = load_answers(tmp_path / "answers" / "prompt_lookup.jsonl")
+    base = load_answers(tmp_path / "answers" / "baseline.jsonl")
+    assert len(method) == len(base) == 2
+    assert all(a["choices"][0]["accept_lengths"] == [1] * (sum(a["choices"][0]["new_tokens"]) - 1) for a in base)
+    assert "AVG" in (tmp_path / "eval_table.txt").read_text()
+
+
+def test_eval_of_a_trained_method_needs_a_draft(tmp_path, monkeypatch, shared_data):
+    from draftlab.stages.train import run_pipeline
+
+    _env(monkeypatch, tmp_path, shared_data)
+    with pytest.raises(ValueError, match="draft_path"):
+        run_pipeline(_cfg(tmp_path, "method=eagle3"), stage="eval")
+
+
+def test_eval_loads_an_exported_draft(tmp_path, monkeypatch, shared_data, tiny_target):
+    from draftlab.export.native import save_native
+    from draftlab.methods.eagle3 import Eagle3Draft
+    from draftlab.stages.train import run_pipeline
+
+    _env(monkeypatch, tmp_path, shared_data)
+    torch.manual_seed(0)
+    draft_dir = save_native(Eagle3Draft.from_target(tiny_target, draft_vocab_size=512), tmp_path / "draft")
+    record = run_pipeline(_cfg(tmp_path, "method=eagle3", f"draft_path={draft_dir}"),
+                          stage="eval")
+    assert record["artifacts"]["draft"] == str(draft_dir)
+    assert record["eval"]["mismatches_vs_ar"] == 0
+
+
+def test_init_head_from_target_copies_the_draft_vocabulary_rows(tiny_target):
+    from draftlab.data.vocab import build_vocab_mapping
+    from draftlab.methods.eagle3 import Eagle3Draft
+    from draftlab.stages.train import init_head_from_target
+
+    freq = torch.zeros(tiny_target.geometry.vocab_size, dtype=torch.long)
+    freq[torch.randperm(freq.numel())[:300]] = 5
+    draft = Eagle3Draft.from_target(tiny_target, vocab_mapping=build_vocab_mapping(freq, 256))
+    init_head_from_target(draft, tiny_target)
+    head = tiny_target.model.get_output_embeddings().weight
+    ids = draft.target_ids()
+    assert not torch.equal(ids, torch.arange(256))  # a real mapping, not the identity
+    assert torch.equal(draft.lm_head.weight, head[ids])

@@ -1,0 +1,92 @@
+"""A 2x2x2 Hydra multirun end to end (tiny target): records, W&B offline runs, reuse, and the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.wandb_files import read_run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], tmp_path: Path, shared_data: Path) -> subprocess.CompletedProcess:
+    # Artifacts (data, features, drafts) go to the test's directory via paths.artifacts; assets (the
+    # tokenizer) stay in the shared cache.
+    env = {**os.environ, "DRAFTLAB_SHARED_DATA": str(shared_data),
+           "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return proc
+
+
+def _records(sweep: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(sweep.glob("*/record.json"))]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, shared_data):
+    tmp = tmp_path_factory.mktemp("sweep")
+    first = tmp / "ttt_x_temp_x_nodes"
+    _run(["-m", "draftlab.cli.train", "-m", "experiment=tiny", "train.ttt_length=1,2", "eval.temperature=0,0.7",
+          "eval.draft_nodes=4,8", f"hydra.sweep.dir={first}", f"paths.log_dir={tmp}", f"paths.artifacts={tmp / 'artifacts'}"], tmp, shared_data)
+    return tmp, first
+
+
+def test_every_job_trains_or_reuses_once_and_writes_a_record(sweep):
+    _, first = sweep
+    records = _records(first)
+    assert len(records) == 8
+    # Two TTT lengths -> two trained drafts; the other six jobs reuse them.
+    trained = [r for r in records if not r["train"]["reused"]]
+    assert sorted(r["config"]["train"]["ttt_length"] for r in trained) == [1, 2]
+    assert len({r["artifacts"]["train_key"] for r in records}) == 2
+    for r in records:
+        assert r["schema"] == "draftlab.record/1" and r["kind"] == "train"
+        assert r["eval"]["columns"]["AVG"]["tau"] >= 1.0
+        assert r["git"]["commit"] and r["hardware"]["cpu_count"]
+        if r["eval"]["temperature"] == 0:
+            assert r["eval"]["mismatches_vs_ar"] == 0  # lossless at T=0
+
+
+def test_each_job_is_its_own_wandb_run_grouped_by_sweep(sweep):
+    _, first = sweep
+    runs = []
+    for job in sorted(p for p in first.iterdir() if p.is_dir() and p.name.isdigit()):
+        files = list(job.glob("wandb/offline-run-*/run-*.wandb"))
+        assert len(files) == 1, f"job {job.name}: {files}"
+        runs.append(read_run(files[0]))
+    assert len(runs) == 8
+    assert len({r["name"] for r in runs}) == 8
+    assert {r["group"] for r in runs} == {f"tiny/{first.name}"}
+    for r in runs:
+        assert r["name"].startswith("eagle3-tiny_random-mtbench-")
+        assert "method:eagle3" in r["tags"] and "experiment:tiny" in r["tags"]
+        assert {"eval/mt_bench/AVG/tau", "eval/mt_bench/AVG/speedup", "eval/mt_bench/WRIT/tau"} <= r["history_keys"]
+        assert {"train", "eval", "method"} <= r["config_keys"]
+    trained = [r for r in runs if any(k.startswith("train/acc_") for k in r["history_keys"])]
+    assert len(trained) == 2  # training curves only where training ran
+
+
+def test_second_eval_sweep_trains_nothing_and_table_regenerates(sweep, shared_data):
+    tmp, first = sweep
+    second = tmp / "nodes6"
+    proc = _run(["-m", "draftlab.cli.train", "-m", "experiment=tiny", "train.ttt_length=1,2", "eval.draft_nodes=6",
+                 f"hydra.sweep.dir={second}", f"paths.log_dir={tmp}", f"paths.artifacts={tmp / 'artifacts'}"], tmp, shared_data)
+    records = _records(second)
+    assert len(records) == 2 and all(r["train"]["reused"] for r in records)
+    assert "reusing trained draft" in proc.stderr + proc.stdout
+    assert "Epoch 0" not in proc.stderr + proc.stdout
+
+    out = _run(["-m", "analysis.table", str(first), "--layout", "table1", "--format", "markdown"], tmp, shared_data)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("|")]
+    # header + separator + one row per (nodes, T) setting of the sweep, each with the EAGLE-3 label
+    assert sum("EAGLE-3" in ln for ln in lines) >= 4, out.stdout
+    assert "WRIT" in out.stdout and "AVG" in out.stdout
+    t6 = _run(["-m", "analysis.table", str(first), "--layout", "table6", "--format", "latex"], tmp, shared_data)
+    assert "\\textbf" in t6.stdout or "\\begin{tabular}" in t6.stdout
