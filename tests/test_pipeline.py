@@ -73,3 +73,19 @@ def test_init_head_from_target_copies_the_draft_vocabulary_rows(tiny_target):
     ids = draft.target_ids()
     assert not torch.equal(ids, torch.arange(256))  # a real mapping, not the identity
     assert torch.equal(draft.lm_head.weight, head[ids])
+
+
+def test_train_confu_end_to_end_then_reuse(tmp_path, monkeypatch, shared_data):
+    """ConFu through draftlab-train: data -> training (target in the loop) -> own artifact -> lossless eval."""
+    from draftlab.stages.train import run_pipeline
+
+    _env(monkeypatch, tmp_path, shared_data)
+    overrides = ["method=confu", "method.draft.num_soft_prompts=4", "method.module.num_anchors=4",
+                 "trainer.max_epochs=1"]
+    cfg = _compose([*BASE, f"paths.artifacts={tmp_path / 'artifacts'}", *overrides], tmp_path, "train")
+    record = run_pipeline(cfg, stage="train")
+    assert record["train"]["reused"] is False and record["eval"]["mismatches_vs_ar"] == 0
+    assert record["eval"]["label"] == "ConFu"
+    again = run_pipeline(_compose([*BASE, f"paths.artifacts={tmp_path / 'artifacts'}", *overrides], tmp_path, "train"),
+                         stage="train")
+    assert again["train"]["reused"] is True and again["artifacts"]["draft"] == record["artifacts"]["draft"]

@@ -47,6 +47,29 @@ class TrainResult:
     train_seconds: float = 0.0
 
 
+def save_trained_draft(draft, out_dir: Path, target) -> Path:
+    """EAGLE-3: the native SGLang/vLLM directory; ConFu: draftlab's own format (no engine serves it yet)."""
+    from draftlab.methods.confu.model import ConFuDraft
+
+    if isinstance(draft, ConFuDraft):
+        from draftlab.methods.confu.artifact import save_confu
+
+        return save_confu(draft, out_dir)
+    from draftlab.export.native import save_native
+
+    return save_native(draft, out_dir, verifier=target)
+
+
+def load_trained_draft(path: Path, target):
+    from draftlab.methods.confu.artifact import is_confu_artifact, load_confu
+
+    if is_confu_artifact(path):
+        return load_confu(path, target=target)
+    from draftlab.export.convert import load_draft
+
+    return load_draft(path, target=target)
+
+
 class HistoryCallback(L.Callback):
     """Collects logged metrics into a list of dicts (training curves for the record and the report)."""
 
@@ -106,6 +129,10 @@ def _build_draft(cfg: DictConfig, target, vocab):
     from draftlab.methods.eagle3 import Eagle3Draft
 
     overrides = {k: v for k, v in OmegaConf.to_container(cfg.method.draft, resolve=True).items() if v is not None}
+    if cfg.method.name == "confu":
+        from draftlab.methods.confu.model import build_confu_draft
+
+        return build_confu_draft(target, vocab_mapping=vocab, **overrides)
     draft = Eagle3Draft.from_target(target, vocab_mapping=vocab, **overrides)
     init = (cfg.method.get("init") or {}).get("lm_head", "random")
     if init == "target":
@@ -134,7 +161,6 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
     """Train (or reuse / resume) the draft for ``cfg`` on the data stage's samples; export the best one."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from draftlab.export.native import save_native
     from draftlab.methods.eagle3.data import Eagle3DataModule
     from draftlab.methods.eagle3.features import feature_key, precompute_features
 
@@ -153,13 +179,14 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
     draft = _build_draft(cfg, target, data.vocab)
 
     feature_dir = None
-    if cfg.train.features == "offline":
+    # ConFu's contemplate rows attend to the target's KV of their prefix: the target runs in every step.
+    if cfg.train.features == "offline" and cfg.method.name != "confu":
         fkey = feature_key(_target_id(cfg), data.data_key, target.aux_layer_ids, target.layer_convention.value
                            if hasattr(target.layer_convention, "value") else str(target.layer_convention),
                            cfg.train.feature_dtype, len(data.samples))
         feature_dir = precompute_features(target, data.samples, Path(cfg.paths.artifacts) / "features" / fkey,
                                           dtype=cfg.train.feature_dtype)
-    elif cfg.train.features != "online":
+    elif cfg.train.features not in ("online", "offline"):
         raise ValueError(f"train.features must be 'online' or 'offline', got '{cfg.train.features}'")
 
     dm = Eagle3DataModule(data.samples, feature_dir=feature_dir, batch_size=cfg.train.batch_size,
@@ -199,7 +226,7 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
     val_rows = [r for r in history.rows if "val/simulated_tau" in r]
     if val_rows:
         best.update(max(val_rows, key=lambda r: r["val/simulated_tau"]))
-    save_native(module.draft, draft_dir.with_suffix(".tmp"), verifier=target)
+    save_trained_draft(module.draft, draft_dir.with_suffix(".tmp"), target)
     seconds = time.perf_counter() - t0
     (root / "train_summary.json").write_text(json.dumps({"key": key, "history": history.rows, "best": best,
                                                          "train_seconds": seconds}, indent=2))
@@ -231,8 +258,6 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
         metrics: dict[str, float] = {}
         train_info = None
         if method.get("trainable"):
-            from draftlab.export.convert import load_draft
-
             if cfg.get("draft_path"):
                 draft_dir = Path(str(cfg.draft_path)).expanduser()
             elif stage == "eval":
@@ -252,7 +277,7 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
                 metrics["train/seconds"] = result.train_seconds
                 metrics["train/reused"] = float(result.reused)
             artifacts["draft"] = str(draft_dir)
-            draft = load_draft(draft_dir, target=target).to(target.dtype).eval()
+            draft = load_trained_draft(draft_dir, target).to(target.dtype).eval()
             drafter = instantiate(method.drafter)(draft)
         else:
             drafter = instantiate(method.drafter)
@@ -262,6 +287,8 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
             bench = instantiate(cfg.bench, _convert_="object")
             questions = bench.load()
             gen = generation_config(cfg)
+            # ConFu adds a contemplate row per node plus soft prompts to every verify pass.
+            gen.max_tree_rows = max(gen.max_tree_rows, int(getattr(drafter, "verify_rows", 0)) + 8)
             res = run_benchmark(target, questions, drafter, gen, run_dir, bench=bench.name, method=str(method.name),
                                 warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"))
             table = format_table(res)

@@ -1,0 +1,47 @@
+"""A trained ConFu draft on disk: ``config.json`` (the full ConFuConfig) + ``model.safetensors``.
+
+No serving engine loads ConFu yet, so this is draftlab's own format: every weight except the frozen
+embedding, which is copied back from the target on load (as for EAGLE-3 checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from draftlab.methods.confu.config import ConFuConfig
+from draftlab.methods.confu.model import ConFuDraft
+
+FORMAT = "draftlab-confu/1"
+
+
+def save_confu(draft: ConFuDraft, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"format": FORMAT, "config": draft.config.to_dict()}, indent=2))
+    return out
+
+
+def is_confu_artifact(path: str | Path) -> bool:
+    cfg = Path(path) / "config.json"
+    return cfg.exists() and json.loads(cfg.read_text()).get("format") == FORMAT
+
+
+def load_confu(path: str | Path, *, target) -> ConFuDraft:
+    """Rebuild the draft; the embedding comes from ``target``. Missing or extra tensors raise, naming them."""
+    path = Path(path)
+    meta = json.loads((path / "config.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}/config.json is not a {FORMAT} artifact (format={meta.get('format')!r})")
+    draft = ConFuDraft(ConFuConfig.from_dict(meta["config"]))
+    tensors = load_file(str(path / "model.safetensors"))
+    missing, unexpected = draft.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if k != "embed_tokens.weight"]
+    if missing or unexpected:
+        raise ValueError(f"{path}/model.safetensors does not match the config: missing {missing}, unexpected {unexpected}")
+    draft.load_target_embedding(target)
+    return draft
