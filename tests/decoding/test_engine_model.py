@@ -148,7 +148,7 @@ def test_greedy_eagle3_equals_ar_on_specbench_smollm2(smollm2, shared_data):
     draft = Eagle3Draft.from_target(smollm2, vocab_mapping=build_vocab_mapping(freq, 1024))
     out = smollm2.forward(ids, return_aux=True)
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=2e-3)
-    for _ in range(40):
+    for _ in range(30):
         loss = ttt_forward(draft, ids, out.aux_hidden, out.logits, loss_mask, attn, ttt_length=3).loss
         loss.backward()
         opt.step()
