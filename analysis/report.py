@@ -270,6 +270,10 @@ def _reorder(group: list[Entry], reference: str | None) -> list[Entry]:
     return picked[:1] + [e for e in group if e is not picked[0]] if picked else group
 
 
+# The training curves a comparison usually needs; ``--curves all`` plots every logged metric.
+DEFAULT_CURVES = ("train/loss", "train/acc_0", "val/loss", "val/acc_0", "val/simulated_tau")
+
+
 def build_report(
     sources: Sequence[tuple[str, list[Record]]],
     out_dir: str | Path,
@@ -277,9 +281,11 @@ def build_report(
     title: str = "draftlab comparison",
     reference: str | None = None,
     precision: int = 2,
+    train_curves: Sequence[str] | None = DEFAULT_CURVES,
 ) -> Report:
     """Lay out the comparison and write its PNGs into ``out_dir``; render with :func:`render_markdown` or
-    :func:`render_html`. ``sources`` is ``[(name, records)]``."""
+    :func:`render_html`. ``sources`` is ``[(name, records)]``; ``train_curves`` names the training metrics to plot
+    (None: every logged one -- about 60 for a TTT-7 run)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = Report(title=title)
@@ -347,6 +353,8 @@ def build_report(
         for _, r in trained:
             for h in r.history:
                 keys += [k for k, v in h.items() if k != "step" and k not in keys and _is_plottable(v)]
+        if train_curves is not None:
+            keys = [k for k in train_curves if k in keys]
         for key in keys:
             series = {}
             for (_, r), name in zip(trained, names):
@@ -470,6 +478,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", help="entry or source name the deltas are taken against (default: first)")
     p.add_argument("--title", default="draftlab comparison")
     p.add_argument("--precision", type=int, default=2)
+    p.add_argument("--curves", nargs="+", default=list(DEFAULT_CURVES),
+                   help="training metrics to plot (default: %(default)s); 'all' plots every logged metric")
     p.add_argument("--wandb-project", help="also publish a W&B report to this project (needs wandb_workspaces)")
     p.add_argument("--wandb-entity")
     return p
@@ -488,7 +498,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if empty:
         print(f"draftlab-report: error: no run records under {', '.join(empty)}", file=sys.stderr)
         return 2
-    report = build_report(sources, args.out, title=args.title, reference=args.reference, precision=args.precision)
+    train_curves = None if args.curves == ["all"] else args.curves
+    report = build_report(sources, args.out, title=args.title, reference=args.reference, precision=args.precision,
+                          train_curves=train_curves)
     for path in write_report(report, args.out, args.format):
         print(f"draftlab-report: wrote {path}", file=sys.stderr)
     if args.wandb_project:

@@ -10,6 +10,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PRIMARY = "train"
@@ -68,6 +69,11 @@ def test_compose_and_instantiate(group, name, tmp_path, monkeypatch):
                      '{"role": "assistant", "content": "hello"}]}\n')
         extra = [f"data.sources.0.path={f}"]
     cfg = _compose([override, *extra], tmp_path)
+    if OmegaConf.is_missing(cfg, "init_draft"):  # experiments that start from a trained draft must name it
+        with pytest.raises(MissingMandatoryValue, match="init_draft"):
+            OmegaConf.resolve(cfg)
+        cfg = _compose([override, *extra, "init_draft=/drafts/eagle3"], tmp_path)
+        assert OmegaConf.select(cfg, "method.draft.init_from") == "/drafts/eagle3"
     OmegaConf.resolve(cfg)  # every interpolation resolves
     if group == "target":
         with open_dict(cfg):  # hub targets are not reachable here: the tiny target stands in for all

@@ -89,3 +89,24 @@ def test_train_confu_end_to_end_then_reuse(tmp_path, monkeypatch, shared_data):
     again = run_pipeline(_compose([*BASE, f"paths.artifacts={tmp_path / 'artifacts'}", *overrides], tmp_path, "train"),
                          stage="train")
     assert again["train"]["reused"] is True and again["artifacts"]["draft"] == record["artifacts"]["draft"]
+
+
+def test_continue_training_from_an_existing_draft(tmp_path, tiny_target):
+    """``method.init.from`` starts from a saved draft (weights and vocabulary); it is part of the training key."""
+    from draftlab.export.native import save_native
+    from draftlab.methods.eagle3 import Eagle3Draft
+    from draftlab.stages.train import _build_draft, train_key
+
+    torch.manual_seed(0)
+    start = Eagle3Draft.from_target(tiny_target, draft_vocab_size=512)
+    draft_dir = save_native(start, tmp_path / "draft")
+    cfg = _cfg(tmp_path, "method=eagle3", f"method.init.from={draft_dir}")
+    built = _build_draft(cfg, tiny_target, vocab=None)
+    assert torch.equal(built.fc.weight, start.fc.weight) and torch.equal(built.d2t, start.d2t)
+    assert train_key(cfg, "data") != train_key(_cfg(tmp_path, "method=eagle3"), "data")
+    # The default init leaves keys of earlier runs unchanged.
+    assert train_key(_cfg(tmp_path, "method=eagle3", "method.init.from=null"), "data") == \
+        train_key(_cfg(tmp_path, "method=eagle3"), "data")
+    with pytest.raises(ValueError, match="disagrees"):
+        _build_draft(_cfg(tmp_path, "method=eagle3", f"method.init.from={draft_dir}", "method.draft.num_layers=2"),
+                     tiny_target, vocab=None)

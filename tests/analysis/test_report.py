@@ -45,7 +45,8 @@ def two_runs(tmp_path):
     b = _single(tmp_path, "confu", make_record(label="ConFu", cols=columns(3.4, 1.7, skip=("RAG",),
                                                                            override={("CODE", "tau"): 3.0}),
                                                accept_lengths={"2": 1, "3": 2, "5": 1}))
-    history = [{"step": s, "train/loss": 3.0 - 0.1 * s, "val/simulated_tau": 1.0 + 0.2 * s} for s in range(6)]
+    history = [{"step": s, "train/loss": 3.0 - 0.1 * s, "val/simulated_tau": 1.0 + 0.2 * s,
+                "train/ploss_3": 2.0} for s in range(6)]  # ploss_3: not a default curve
     t = write_sweep(tmp_path / "train", [
         make_record(label="ConFu", kind="train", history=history, run_name="ttt4"),
         make_record(label="ConFu", kind="train", history=history[:4], run_name="ttt7"),
@@ -174,3 +175,11 @@ def test_wandb_is_guarded(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, "wandb_workspaces.reports.v2", None)  # import now fails
         with pytest.raises(RuntimeWarning, match="not installed"):
             publish_wandb_report(report, tmp_path / "out", project="p")
+
+
+def test_curves_all_plots_every_logged_metric(two_runs, tmp_path):
+    a, b, t = two_runs
+    out = tmp_path / "report"
+    assert main([str(t), "--out", str(out), "--curves", "all"]) == 0
+    assert sorted(p.name for p in out.glob("train_*.png")) == [
+        "train_train_loss.png", "train_train_ploss_3.png", "train_val_simulated_tau.png"]

@@ -14,15 +14,7 @@ from draftlab.data.template import render_prompt
 from draftlab.data.vocab import build_vocab_mapping
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
 from draftlab.methods.confu import ConFuDraft, ConFuDrafter, ConFuModule
-
-TRAIN_PROMPTS = [list(range(100, 116)), [5, 6, 7, 8, 9] * 4, list(range(2000, 2040, 3))]
-UNSEEN_PROMPT = list(range(3000, 3014))
-TRAIN_NEW_TOKENS = 40
-
-
-def _greedy(target, prompt, n):
-    out, _ = autoregressive_generate(target, prompt, GenerationConfig(max_new_tokens=n, stop_on_eos=False))
-    return out
+from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT, greedy, train_sequences
 
 
 def _cfg(drafter, n):
@@ -48,7 +40,7 @@ def trained(tiny_target):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        seqs = [p + _greedy(tiny_target, p, TRAIN_NEW_TOKENS) for p in TRAIN_PROMPTS]
+        seqs = train_sequences(tiny_target)
         batch = _batch(seqs, [len(p) for p in TRAIN_PROMPTS])
         V = tiny_target.geometry.vocab_size
         mapping = build_vocab_mapping(torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=V), 256)
@@ -136,7 +128,7 @@ def test_greedy_output_equals_autoregressive(tiny_target, trained, top_k, depth,
     for prompt in TRAIN_PROMPTS + [UNSEEN_PROMPT]:
         drafter = ConFuDrafter(trained.draft, top_k=top_k, depth=depth, total_tokens=total_tokens)
         out, stats = speculative_generate(tiny_target, prompt, drafter, _cfg(drafter, n))
-        assert out == _greedy(tiny_target, prompt, n)
+        assert out == greedy(tiny_target, prompt, n)
         assert drafter.num_committed == len(prompt) + n - 1  # one draft row per token, never a future row
         taus.append(stats.tau)
     assert max(taus) > 2.0  # the trained draft is accepted: the tree/commit paths all run
@@ -243,5 +235,5 @@ def test_the_contemplate_path_feeds_the_draft(tiny_target, trained):
                                                                                      total_tokens=16)
     out_a, _ = speculative_generate(tiny_target, prompt, a, _cfg(a, 20))
     out_b, _ = speculative_generate(tiny_target, prompt, b, _cfg(b, 20))
-    assert out_a == out_b == _greedy(tiny_target, prompt, 20)
+    assert out_a == out_b == greedy(tiny_target, prompt, 20)
     assert not torch.allclose(a.roots[0][1], b.roots[0][1], atol=1e-3)

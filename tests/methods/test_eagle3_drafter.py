@@ -9,18 +9,10 @@ import torch
 import draftlab.methods.eagle3.drafter as drafter_module
 from draftlab.data.vocab import build_vocab_mapping
 from draftlab.decoding.drafter import DecodeState
-from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
+from draftlab.decoding.engine import GenerationConfig, speculative_generate
 from draftlab.decoding.tree import build_dynamic_tree
 from draftlab.methods.eagle3 import CacheAttention, Eagle3Draft, Eagle3Drafter, ttt_forward
-
-TRAIN_PROMPTS = [list(range(100, 116)), [5, 6, 7, 8, 9] * 4, list(range(2000, 2040, 3))]
-UNSEEN_PROMPT = list(range(3000, 3014))
-TRAIN_NEW_TOKENS = 40
-
-
-def _greedy(target, prompt, n):
-    out, _ = autoregressive_generate(target, prompt, GenerationConfig(max_new_tokens=n, stop_on_eos=False))
-    return out
+from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT, greedy, train_sequences
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +21,7 @@ def trained(tiny_target):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        seqs = [p + _greedy(tiny_target, p, TRAIN_NEW_TOKENS) for p in TRAIN_PROMPTS]
+        seqs = train_sequences(tiny_target)
         B, T, V = len(seqs), max(map(len, seqs)), tiny_target.geometry.vocab_size
         ids = torch.zeros(B, T, dtype=torch.long)  # [B, T]
         attn = torch.zeros(B, T, dtype=torch.bool)  # [B, T]
@@ -87,7 +79,7 @@ def test_greedy_output_equals_autoregressive(tiny_target, trained, top_k, depth,
         assert max(stats.tree_sizes) <= total_tokens + 1 and stats.rounds < n
         taus.append(stats.tau)
     out, _ = speculative_generate(tiny_target, UNSEEN_PROMPT, drafter, cfg)
-    assert out == _greedy(tiny_target, UNSEEN_PROMPT, n)
+    assert out == greedy(tiny_target, UNSEEN_PROMPT, n)
     # The trained draft must actually be accepted, or equality above would say little about the trees.
     assert sum(taus) / len(taus) > 2.5, taus
 

@@ -251,12 +251,19 @@ def regenerate(target, conversations: Sequence[Conversation], out_path: str | Pa
     return report
 
 
-def load_regenerated(path: str | Path) -> list[Conversation]:
-    """Read the success records of a regeneration run back as conversations."""
+def load_regenerated(path: str | Path, ids: Sequence[str] | None = None) -> list[Conversation]:
+    """Read the success records of a regeneration run back as conversations.
+
+    With ``ids``, only those conversations are returned, in the order of ``ids`` (the regeneration
+    directory is a pool that other slices of the same sources may have added to).
+    """
     out = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 rec = json.loads(line)
                 out.append(Conversation(id=rec["id"], messages=rec["conversations"]))
-    return out
+    if ids is None:
+        return out
+    by_id = {c.id: c for c in out}
+    return [by_id[i] for i in ids if i in by_id]

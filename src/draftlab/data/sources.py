@@ -55,6 +55,10 @@ class ConversationSource:
         fp = file_fingerprint(path) if Path(path).is_file() else path
         return {"data": fp, "format": self.format, "offset": self.offset, "limit": self.limit, "split": self.split}
 
+    def pool_fingerprint(self) -> dict:
+        """The file a conversation comes from, without the slice taken of it (see ``DataSpec.pool_fingerprint``)."""
+        return {k: v for k, v in self.fingerprint().items() if k not in ("offset", "limit")}
+
 
 @dataclass
 class DataSpec:
@@ -77,6 +81,15 @@ class DataSpec:
 
     def fingerprint(self) -> dict:
         return {"sources": [s.fingerprint() for s in self.sources], "drop_system": self.drop_system}
+
+    def pool_fingerprint(self) -> dict:
+        """Identity of the conversation pool, ignoring each source's offset/limit.
+
+        Regenerated turns live under this key, so raising a limit continues the earlier run instead of
+        starting a new one; which conversations a run uses is still decided by the full spec.
+        """
+        return {"sources": sorted((s.pool_fingerprint() for s in self.sources), key=repr),
+                "drop_system": self.drop_system}
 
 
 @dataclass

@@ -20,6 +20,7 @@ from draftlab.export.common import (
     dtype_name,
     export_tensors,
     is_target_factory,
+    llama_layer_fields,
     read_config,
     read_tensors,
     resolve_dtype,
@@ -48,19 +49,7 @@ def native_config(config: Eagle3Config, *, torch_dtype: str, max_position_embedd
         # otherwise reads it as input_to; older SGLang always reads output_of. Only first id 1 is safe.
         log.warning("aux layer ids %s (output_of) do not start at 1: recent SGLang would read them as input_to, "
                     "i.e. one layer off. Check the draft against the serving engine.", aux)
-    out: dict[str, Any] = {
-        "architectures": [NATIVE_ARCHITECTURE],
-        "model_type": "llama",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "num_hidden_layers": c.num_layers,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-    }
+    out: dict[str, Any] = {"architectures": [NATIVE_ARCHITECTURE], **llama_layer_fields(c)}
     if c.rope_scaling:
         out["rope_scaling"] = dict(c.rope_scaling)
     out.update({

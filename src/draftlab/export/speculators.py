@@ -30,6 +30,7 @@ from draftlab.export.common import (
     dtype_name,
     export_tensors,
     is_target_factory,
+    llama_layer_fields,
     native_to_speculators_key,
     read_config,
     read_tensors,
@@ -58,18 +59,7 @@ def speculators_config(config: Eagle3Config, *, torch_dtype: str, max_position_e
         raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
     layer_config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        # Explicit: speculators builds its rotary table from a copy with hidden_size doubled, so a derived
-        # head_dim (hidden_size / heads) would come out twice too large.
-        "head_dim": c.head_dim,
-        "num_hidden_layers": c.num_layers,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
+        **llama_layer_fields(c),
         "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None,
         "max_position_embeddings": int(max_position_embeddings),
         "vocab_size": c.vocab_size,

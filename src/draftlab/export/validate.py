@@ -254,6 +254,25 @@ def _open_config(path: Path, problems: _Problems) -> dict | None:
         return None
 
 
+def _draft_dims(cfg: dict, layer_cfg: dict, where: str, flags: dict, problems: _Problems) -> Dims | None:
+    """Dims from the layer fields (``layer_cfg``, found at ``where``) plus the draft fields at the top level.
+
+    None (with the reasons in ``problems``) when any of them is missing or inconsistent.
+    """
+    base = _dims(layer_cfg, where, problems, flags=dict(draft_vocab_size=0, target_hidden_size=0, num_layers=1,
+                                                        **flags))
+    dvs = _get_int(cfg, "draft_vocab_size", "config", problems)
+    layers = _get_int(layer_cfg, "num_hidden_layers", where, problems)
+    hidden = layer_cfg.get("hidden_size")
+    dt = _get_int(cfg, "target_hidden_size", "config", problems, required=False,
+                  default=hidden if isinstance(hidden, int) else None)
+    if base is None or dvs is None or layers is None or dt is None:
+        return None
+    if dvs > base.vocab_size:
+        problems.add(f"config: draft_vocab_size {dvs} exceeds vocab_size {base.vocab_size}")
+    return Dims(**{**base.__dict__, "draft_vocab_size": dvs, "target_hidden_size": dt, "num_layers": layers})
+
+
 def validate_native(path: str | Path) -> list[str]:
     """Problems that keep ``path`` from being a valid native EAGLE-3 draft directory (empty = valid)."""
     path, problems = Path(path), _Problems()
@@ -269,18 +288,7 @@ def validate_native(path: str | Path) -> list[str]:
         _get_bool(cfg, key, "config", problems)
     if flags["fc_norm"] and flags["norm_before_fc"]:
         problems.add("config: fc_norm and norm_before_fc are mutually exclusive")
-    dims = _dims(cfg, "config", problems, flags=dict(
-        draft_vocab_size=0, target_hidden_size=0, num_layers=1, **flags))
-    dvs = _get_int(cfg, "draft_vocab_size", "config", problems)
-    layers = _get_int(cfg, "num_hidden_layers", "config", problems)
-    dt = _get_int(cfg, "target_hidden_size", "config", problems, required=False,
-                  default=cfg.get("hidden_size") if isinstance(cfg.get("hidden_size"), int) else None)
-    if dims is not None and dvs is not None and layers is not None and dt is not None:
-        if dvs > dims.vocab_size:
-            problems.add(f"config: draft_vocab_size {dvs} exceeds vocab_size {dims.vocab_size}")
-        dims = Dims(**{**dims.__dict__, "draft_vocab_size": dvs, "target_hidden_size": dt, "num_layers": layers})
-    else:
-        dims = None
+    dims = _draft_dims(cfg, cfg, "config", flags, problems)
     eagle = cfg.get("eagle_config")
     if eagle is not None and not isinstance(eagle, dict):
         problems.add(f"config: eagle_config must be an object, got {eagle!r}")
@@ -321,16 +329,7 @@ def validate_speculators(path: str | Path) -> list[str]:
     else:
         if tl.get("model_type", "llama") != "llama":
             problems.add(f"config: transformer_layer_config.model_type is {tl.get('model_type')!r}, expected 'llama'")
-        base = _dims(tl, "config: transformer_layer_config", problems, flags=dict(
-            draft_vocab_size=0, target_hidden_size=0, num_layers=1, **flags))
-        dvs = _get_int(cfg, "draft_vocab_size", "config", problems)
-        layers = _get_int(tl, "num_hidden_layers", "config: transformer_layer_config", problems)
-        dt = _get_int(cfg, "target_hidden_size", "config", problems, required=False,
-                      default=tl.get("hidden_size") if isinstance(tl.get("hidden_size"), int) else None)
-        if base is not None and dvs is not None and layers is not None and dt is not None:
-            if dvs > base.vocab_size:
-                problems.add(f"config: draft_vocab_size {dvs} exceeds vocab_size {base.vocab_size}")
-            dims = Dims(**{**base.__dict__, "draft_vocab_size": dvs, "target_hidden_size": dt, "num_layers": layers})
+        dims = _draft_dims(cfg, tl, "config: transformer_layer_config", flags, problems)
     _check_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"), "config: eagle_aux_hidden_state_layer_ids", problems)
     _speculators_block_problems(cfg.get("speculators_config"), problems)
     meta, small = _tensor_meta(path, problems)

@@ -62,11 +62,13 @@ def run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
         # max_batches only limits how far one invocation gets; it must not change where results live.
         key_cfg = {k: v for k, v in asdict(rcfg).items() if k != "max_batches"}
         data_key = content_key(target_id, spec.fingerprint(), key_cfg)
-        regen_path = Path(cfg.paths.artifacts) / "regen" / data_key / "regenerated.jsonl"
+        # One pool per (target, files, settings): a larger slice of the same files resumes a smaller one.
+        pool_key = content_key(target_id, spec.pool_fingerprint(), key_cfg)
+        regen_path = Path(cfg.paths.artifacts) / "regen" / pool_key / "regenerated.jsonl"
         regen_report = regenerate(target, convs, regen_path, rcfg)
         log.info("%s", regen_report)
         log.info("regenerated data: %s", regen_path)
-        convs = load_regenerated(regen_path)
+        convs = load_regenerated(regen_path, ids=[c.id for c in convs])
     samples, render_report = render_conversations(target.tokenizer, convs, max_length=spec.max_length,
                                                   truncation=spec.truncation)
     log.info("%s", render_report)

@@ -120,9 +120,15 @@ def train_key(cfg: DictConfig, data_key: str) -> str:
     train = {k: v for k, v in OmegaConf.to_container(cfg.train, resolve=True).items() if k not in _TRAIN_KEYS_NOT_IN_KEY}
     trainer = {k: cfg.trainer.get(k) for k in _TRAINER_KEYS_IN_KEY}
     method = OmegaConf.to_container(cfg.method, resolve=True)
-    method = {k: method.get(k) for k in ("name", "draft", "module")}
+    method = {k: method.get(k) for k in ("name", "draft", "module")} | _init_key(method.get("init"))
     return content_key("train/1", method, _target_id(cfg), data_key, cfg.vocab.draft_vocab_size, train, trainer,
                        cfg.seed)
+
+
+def _init_key(init: dict | None) -> dict:
+    """``method.init`` enters the training key only where it changes the starting weights (default: no entry)."""
+    init = {k: v for k, v in (init or {}).items() if v is not None}
+    return {} if init in ({}, {"lm_head": "random"}) else {"init": init}
 
 
 def _build_draft(cfg: DictConfig, target, vocab):
@@ -133,12 +139,22 @@ def _build_draft(cfg: DictConfig, target, vocab):
         from draftlab.methods.confu.model import build_confu_draft
 
         return build_confu_draft(target, vocab_mapping=vocab, **overrides)
+    init = cfg.method.get("init") or {}
+    if init.get("from"):
+        # Continue training an existing draft (its vocabulary mapping included): ConFu's "same steps" control.
+        from draftlab.export.convert import load_draft
+
+        draft = load_draft(str(init["from"]), target=target).float()
+        clash = {k: (v, getattr(draft.config, k)) for k, v in overrides.items() if getattr(draft.config, k) != v}
+        if clash:
+            raise ValueError(f"method.init.from={init['from']} disagrees with method.draft (configured, loaded): {clash}")
+        return draft
     draft = Eagle3Draft.from_target(target, vocab_mapping=vocab, **overrides)
-    init = (cfg.method.get("init") or {}).get("lm_head", "random")
-    if init == "target":
+    lm_head = init.get("lm_head", "random")
+    if lm_head == "target":
         init_head_from_target(draft, target)
-    elif init != "random":
-        raise ValueError(f"method.init.lm_head must be 'random' or 'target', got '{init}'")
+    elif lm_head != "random":
+        raise ValueError(f"method.init.lm_head must be 'random' or 'target', got '{lm_head}'")
     return draft
 
 
@@ -157,12 +173,44 @@ def init_head_from_target(draft, target) -> None:
     draft.norm.weight.copy_(final_norm.to(draft.norm.weight.dtype))
 
 
+def _feature_dir(cfg: DictConfig, target, data) -> Path | None:
+    """The offline target-feature store for ``data`` (computed once, shared by every run on the same data)."""
+    from draftlab.methods.eagle3.features import feature_key, precompute_features
+
+    if cfg.train.features not in ("online", "offline"):
+        raise ValueError(f"train.features must be 'online' or 'offline', got '{cfg.train.features}'")
+    # ConFu's contemplate rows attend to the target's KV of their prefix: the target runs in every step.
+    if cfg.train.features == "online" or cfg.method.name == "confu":
+        return None
+    convention = target.layer_convention
+    fkey = feature_key(_target_id(cfg), data.data_key, target.aux_layer_ids,
+                       convention.value if hasattr(convention, "value") else str(convention),
+                       cfg.train.feature_dtype, len(data.samples))
+    return precompute_features(target, data.samples, Path(cfg.paths.artifacts) / "features" / fkey,
+                               dtype=cfg.train.feature_dtype)
+
+
+def _callbacks(cfg: DictConfig, root: Path) -> tuple[list, HistoryCallback]:
+    """The configured callbacks, pointed at the artifact directory, plus history and resume checkpoints."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = [cb for cb in (instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c) if cb is not None]
+    for cb in callbacks:
+        if isinstance(cb, ModelCheckpoint):
+            # The artifact directory, not the run directory: a re-run with the same key resumes from it.
+            cb.dirpath = str(root / "checkpoints")
+            # Best = highest held-out simulated tau (SpecForge selects on its simulated acceptance length).
+            cb.monitor, cb.mode = ("val/simulated_tau", "max") if cfg.train.val_fraction > 0 else (None, "max")
+    history = HistoryCallback(int(cfg.trainer.get("log_every_n_steps", 10)))
+    resume = ResumeCheckpoint(root / "checkpoints" / "resume.ckpt", int(cfg.train.checkpoint_every_n_steps))
+    return [*callbacks, history, resume], history
+
+
 def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> TrainResult:
     """Train (or reuse / resume) the draft for ``cfg`` on the data stage's samples; export the best one."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from draftlab.methods.eagle3.data import Eagle3DataModule
-    from draftlab.methods.eagle3.features import feature_key, precompute_features
 
     key = train_key(cfg, data.data_key)
     root = Path(cfg.paths.artifacts) / str(cfg.method.name) / key
@@ -178,31 +226,11 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
     L.seed_everything(cfg.seed, workers=True)
     draft = _build_draft(cfg, target, data.vocab)
 
-    feature_dir = None
-    # ConFu's contemplate rows attend to the target's KV of their prefix: the target runs in every step.
-    if cfg.train.features == "offline" and cfg.method.name != "confu":
-        fkey = feature_key(_target_id(cfg), data.data_key, target.aux_layer_ids, target.layer_convention.value
-                           if hasattr(target.layer_convention, "value") else str(target.layer_convention),
-                           cfg.train.feature_dtype, len(data.samples))
-        feature_dir = precompute_features(target, data.samples, Path(cfg.paths.artifacts) / "features" / fkey,
-                                          dtype=cfg.train.feature_dtype)
-    elif cfg.train.features not in ("online", "offline"):
-        raise ValueError(f"train.features must be 'online' or 'offline', got '{cfg.train.features}'")
-
-    dm = Eagle3DataModule(data.samples, feature_dir=feature_dir, batch_size=cfg.train.batch_size,
+    dm = Eagle3DataModule(data.samples, feature_dir=_feature_dir(cfg, target, data), batch_size=cfg.train.batch_size,
                           val_fraction=cfg.train.val_fraction, seed=cfg.seed,
                           pad_token_id=target.tokenizer.pad_token_id or 0)
     module = instantiate(cfg.method.module)(draft=draft, target=target)
-    callbacks = [cb for cb in (instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c) if cb is not None]
-    has_val = cfg.train.val_fraction > 0
-    for cb in callbacks:
-        if isinstance(cb, ModelCheckpoint):
-            # The artifact directory, not the run directory: a re-run with the same key resumes from it.
-            cb.dirpath = str(root / "checkpoints")
-            # Best = highest held-out simulated tau (SpecForge selects on its simulated acceptance length).
-            cb.monitor, cb.mode = ("val/simulated_tau", "max") if has_val else (None, "max")
-    history = HistoryCallback(int(cfg.trainer.get("log_every_n_steps", 10)))
-    callbacks += [history, ResumeCheckpoint(root / "checkpoints" / "resume.ckpt", int(cfg.train.checkpoint_every_n_steps))]
+    callbacks, history = _callbacks(cfg, root)
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                           default_root_dir=str(root), use_distributed_sampler=False)
     resume = root / "checkpoints" / "resume.ckpt"
