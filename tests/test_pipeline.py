@@ -110,3 +110,36 @@ def test_continue_training_from_an_existing_draft(tmp_path, tiny_target):
     with pytest.raises(ValueError, match="disagrees"):
         _build_draft(_cfg(tmp_path, "method=eagle3", f"method.init.from={draft_dir}", "method.draft.num_layers=2"),
                      tiny_target, vocab=None)
+
+
+def test_history_rows_hold_each_epochs_own_validation(tmp_path):
+    """The val row written after epoch e carries epoch e's metrics (not e-1's) and the step it ended on."""
+    import lightning as L
+
+    from draftlab.stages.train import HistoryCallback
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            return (self.w - 1).pow(2).sum()
+
+        def validation_step(self, batch, batch_idx):
+            pass
+
+        def on_validation_epoch_end(self):
+            self.log("val/epoch_seen", float(self.current_epoch))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.zeros(3, 1), batch_size=1)
+    history = HistoryCallback(every=100)
+    trainer = L.Trainer(max_epochs=3, callbacks=[history], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        default_root_dir=tmp_path)
+    trainer.fit(Tiny(), train_dataloaders=data, val_dataloaders=data)
+    val = [r for r in history.rows if "val/epoch_seen" in r]
+    assert [(r["epoch"], r["step"], r["val/epoch_seen"]) for r in val] == [(0, 3, 0.0), (1, 6, 1.0), (2, 9, 2.0)]

@@ -87,7 +87,9 @@ class HistoryCallback(L.Callback):
         if trainer.global_step % self.every == 0:
             self._row(trainer, "train/")
 
-    def on_validation_epoch_end(self, trainer, pl_module):
+    def on_validation_end(self, trainer, pl_module):
+        # Not on_validation_epoch_end: Lightning runs callbacks' epoch-end hooks before the module's, where
+        # the val metrics are logged, so there the row would hold the previous epoch's values.
         if not trainer.sanity_checking:
             self._row(trainer, "val/")
 
