@@ -15,6 +15,7 @@ Every job (one ``draftlab-train`` / ``draftlab-eval`` invocation, or one job of 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -59,6 +60,15 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=,-]+", "_", text).strip("_")
 
 
+def _tag(text: str, limit: int = 64) -> str:
+    """A W&B tag (at most 64 characters): long overrides, such as paths, keep their start and a hash."""
+    tag = _slug(text)
+    if len(tag) <= limit:
+        return tag
+    digest = hashlib.sha1(tag.encode()).hexdigest()[:8]
+    return f"{tag[:limit - 9]}~{digest}"
+
+
 def run_identity(cfg: DictConfig, ctx: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{"name", "group", "tags"}`` for this job (see the module docstring)."""
     ctx = hydra_context() if ctx is None else ctx
@@ -73,7 +83,7 @@ def run_identity(cfg: DictConfig, ctx: dict[str, Any] | None = None) -> dict[str
         group = str(choices.get("experiment") or cfg.get("task_name", "draftlab"))
         if ctx.get("sweep_dir"):  # every job of one multirun shares a group; separate sweeps do not
             group += "/" + Path(ctx["sweep_dir"]).name
-    tags = [f"{g}:{choices[g]}" for g in _TAG_GROUPS if choices.get(g)] + [_slug(o) for o in overrides]
+    tags = [f"{g}:{choices[g]}" for g in _TAG_GROUPS if choices.get(g)] + [_tag(o) for o in overrides]
     return {"name": name[:128], "group": str(group), "tags": tags[:64]}
 
 
