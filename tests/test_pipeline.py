@@ -38,6 +38,18 @@ def test_eval_training_free_method_writes_answers_and_record(tmp_path, monkeypat
     assert "AVG" in (tmp_path / "eval_table.txt").read_text()
 
 
+def test_record_names_the_commit_the_job_started_on(tmp_path, monkeypatch, shared_data):
+    # A commit made while a long job runs must not be credited with its results.
+    from draftlab import tracking
+    from draftlab.stages.train import run_pipeline
+
+    _env(monkeypatch, tmp_path, shared_data)
+    heads = iter([{"commit": "at-start", "dirty": False}, {"commit": "later", "dirty": False}])
+    monkeypatch.setattr(tracking, "git_info", lambda repo=None: next(heads))
+    record = run_pipeline(_cfg(tmp_path, "method=prompt_lookup"), stage="eval")
+    assert record["git"]["commit"] == "at-start"
+
+
 def test_eval_of_a_trained_method_needs_a_draft(tmp_path, monkeypatch, shared_data):
     from draftlab.stages.train import run_pipeline
 

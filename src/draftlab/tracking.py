@@ -151,11 +151,12 @@ def hardware_info() -> dict[str, Any]:
 
 def build_record(cfg: DictConfig, *, kind: str, identity: dict[str, Any], metrics: dict[str, float],
                  artifacts: dict[str, Any], eval_result: dict | None = None, train: dict | None = None,
-                 ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+                 ctx: dict[str, Any] | None = None, git: dict[str, Any] | None = None) -> dict[str, Any]:
+    # ``git`` is read when the job starts: a long job outlives commits made while it runs.
     ctx = hydra_context() if ctx is None else ctx
     return {"schema": RECORD_SCHEMA, "kind": kind, "run_name": identity["name"], "group": identity["group"],
             "tags": identity["tags"], "choices": ctx.get("choices", {}), "overrides": ctx.get("overrides", []),
-            "config": OmegaConf.to_container(cfg, resolve=True), "git": git_info(), "hardware": hardware_info(),
+            "config": OmegaConf.to_container(cfg, resolve=True), "git": git_info() if git is None else git, "hardware": hardware_info(),
             "artifacts": artifacts, "metrics": metrics, "eval": eval_result, "train": train}
 
 

@@ -277,6 +277,7 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
     from draftlab.eval.runner import format_table, run_benchmark
 
     ctx = tracking.hydra_context()
+    git = tracking.git_info()  # the code this job runs, not what HEAD is when it ends
     run_dir = Path(ctx.get("output_dir") or cfg.paths.output_dir)
     identity = tracking.run_identity(cfg, ctx)
     loggers = tracking.make_loggers(cfg, identity)
@@ -335,7 +336,7 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
                            "mismatches_vs_ar": res.mismatches_vs_ar, "answer_files": res.answer_files}
             _log_eval_to_wandb(loggers, res, metrics)
         record = tracking.build_record(cfg, kind=stage, identity=identity, metrics=metrics, artifacts=artifacts,
-                                       eval_result=eval_record, train=train_info, ctx=ctx)
+                                       eval_result=eval_record, train=train_info, ctx=ctx, git=git)
         path = tracking.write_record(run_dir, record)
         log.info("run record: %s", path)
         return record
