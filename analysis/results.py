@@ -8,7 +8,9 @@ multirun sweep being ``<sweep>/<job_num>/record.json``)::
      "overrides": [str], "config": {...}, "git": {"commit": str, "dirty": bool}, "hardware": {...},
      "artifacts": {"draft": str | null, "data": str | null},
      "metrics": {"eval/specbench/CODE/tau": float, "eval/specbench/AVG/speedup": float, ...},
-     "eval": {"bench", "method", "label", "temperature", "draft_nodes", "ttt_length",
+     "eval": {"bench", "method", "label", "temperature",
+              "axes": {"nodes": int, "ttt_length": int, ...},    # declared by conf/method/<m>.yaml
+              "method_config": {...},                           # the resolved method config (drafter included)
               "columns": {"WRIT": {"tau", "speedup", "n_questions", "method_tps", "baseline_tps"}, ..., "AVG": {...}},
               "accept_lengths": {"1": count, ...}, "mismatches_vs_ar": int | null} | null,
      "train": {"history": [{"step": int, "<metric>": float, ...}], "best": {...}} | null}
@@ -112,12 +114,26 @@ class Record:
         return self.eval.get("temperature")
 
     @property
+    def axes(self) -> dict[str, Any]:
+        """The comparison axes the run's method declares (``eval.axes``); records written before axes
+        existed carry ``eval.draft_nodes`` / ``eval.ttt_length``, read here as ``nodes`` / ``ttt_length``."""
+        axes = dict(self.eval.get("axes") or {})
+        for old, new in (("draft_nodes", "nodes"), ("ttt_length", "ttt_length")):
+            if new not in axes and self.eval.get(old) is not None:
+                axes[new] = self.eval[old]
+        return axes
+
+    def axis(self, name: str) -> Any:
+        return self.axes.get(name)
+
+    @property
     def draft_nodes(self) -> int | None:
-        return self.eval.get("draft_nodes")
+        """Tree nodes per round (axis ``nodes``); None for methods without a tree budget."""
+        return self.axis("nodes")
 
     @property
     def ttt_length(self) -> int | None:
-        return self.eval.get("ttt_length")
+        return self.axis("ttt_length")
 
     @property
     def mismatches_vs_ar(self) -> int | None:
@@ -193,6 +209,7 @@ def _check_record(data: dict, path: Path) -> None:
                           ("temperature", _is_number, "a number"),
                           ("draft_nodes", lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
                           ("ttt_length", lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+                          ("axes", lambda v: isinstance(v, dict), "an object"),
                           ("columns", lambda v: isinstance(v, dict), "an object"),
                           ("accept_lengths", lambda v: isinstance(v, dict), "an object")):
         if ev.get(key) is not None and not ok(ev[key]):

@@ -50,7 +50,7 @@ def test_local_parallel_launcher_composes():
         cfg = compose(config_name=PRIMARY, overrides=["hydra/launcher=local_parallel", "experiment=eval_sweep"],
                       return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("JoblibLauncher") and cfg.hydra.launcher.n_jobs == 2
-    assert dict(cfg.hydra.sweeper.params) == {"eval.draft_nodes": "4,8", "eval.temperature": "0,0.7"}
+    assert dict(cfg.hydra.sweeper.params) == {"method.drafter.total_tokens": "4,8", "eval.temperature": "0,0.7"}
 
 
 def test_every_config_file_is_covered():
@@ -78,7 +78,6 @@ def test_compose_and_instantiate(group, name, tmp_path, monkeypatch):
     if group == "target":
         with open_dict(cfg):  # hub targets are not reachable here: the tiny target stands in for all
             cfg.target.source, cfg.target.dtype, cfg.target.device = "tiny_random", "float32", "cpu"
-            cfg.target.aux_layer_ids = [0, 0, 1]
         t = instantiate(cfg.target)
         assert t.geometry.num_layers == 2
     elif group == "data" or (group in {"experiment", "debug"}):
@@ -97,12 +96,17 @@ def test_compose_and_instantiate(group, name, tmp_path, monkeypatch):
         assert trainer is not None
     elif group == "method":
         from draftlab.decoding.drafter import Drafter
+        from draftlab.methods.registry import MethodSpec
 
-        drafter = instantiate(cfg.method.drafter)
-        if cfg.method.trainable:  # a partial waiting for the trained draft; the module one for the target
-            assert callable(drafter) and callable(instantiate(cfg.method.module))
+        spec = MethodSpec(cfg.method)
+        spec.axes()  # every declared axis points at a real setting
+        if spec.trainable:  # partials waiting for the run-time arguments (draft, target, samples, ...)
+            for block in ("draft", "module", "data", "drafter"):
+                assert callable(instantiate(cfg.method[block])), block
+            assert callable(instantiate(cfg.method.artifact.save)) and callable(instantiate(cfg.method.artifact.load))
+            assert all(callable(f) for f in spec.exporters.values())
         else:
-            assert isinstance(drafter, Drafter)
+            assert isinstance(spec.build_drafter(), Drafter)
     elif group in {"logger", "callbacks"}:
         objs = {k: instantiate(v) for k, v in cfg[group].items()}
         assert all(o is not None for o in objs.values())

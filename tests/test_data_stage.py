@@ -11,7 +11,7 @@ from tests.test_configs import _compose
 def test_data_stage_runs_and_reuses_artifacts(tmp_path, monkeypatch):
     from draftlab.stages.data import run_data_stage
 
-    overrides = ["target=tiny_random", "debug=default", "regen.max_new_tokens=4", "vocab.draft_vocab_size=256",
+    overrides = ["target=tiny_random", "debug=default", "regen.max_new_tokens=4", "method.draft_vocab_size=256",
                  f"paths.artifacts={tmp_path / 'artifacts'}"]
     cfg = _compose(overrides, tmp_path)
     first = run_data_stage(cfg)
@@ -36,7 +36,7 @@ def test_raising_a_limit_continues_the_earlier_regeneration(tmp_path):
     """Regenerated turns are pooled per (target, files, settings): 8 conversations after 4 regenerate only 4."""
     from draftlab.stages.data import run_data_stage
 
-    base = ["target=tiny_random", "debug=default", "regen.max_new_tokens=4", "vocab.draft_vocab_size=256",
+    base = ["target=tiny_random", "debug=default", "regen.max_new_tokens=4", "method.draft_vocab_size=256",
             f"paths.artifacts={tmp_path / 'artifacts'}"]
     small = run_data_stage(_compose(base + ["data.sources.0.limit=4"], tmp_path))
     assert small.regen_report.success == 4 and small.regen_report.resumed_done == 0

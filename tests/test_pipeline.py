@@ -13,8 +13,10 @@ from tests.test_configs import _compose
 BASE = ["experiment=tiny", "logger=csv", "bench.limit=2", "eval.max_new_tokens=12"]
 
 
-def _cfg(tmp_path, *overrides):
-    return _compose([*BASE, f"paths.artifacts={tmp_path / 'artifacts'}", *overrides], tmp_path, "eval")
+def _cfg(tmp_path, *overrides, experiment: str = "tiny"):
+    # experiment=tiny carries EAGLE-3-family knobs; training-free methods compose tiny_base.
+    base = [f"experiment={experiment}", *BASE[1:]]
+    return _compose([*base, f"paths.artifacts={tmp_path / 'artifacts'}", *overrides], tmp_path, "eval")
 
 
 def _env(monkeypatch, tmp_path, shared_data):
@@ -23,12 +25,15 @@ def _env(monkeypatch, tmp_path, shared_data):
 
 
 def test_eval_training_free_method_writes_answers_and_record(tmp_path, monkeypatch, shared_data):
-    from draftlab.stages.train import run_pipeline
+    from draftlab.stages.pipeline import run_pipeline
 
     _env(monkeypatch, tmp_path, shared_data)
-    record = run_pipeline(_cfg(tmp_path, "method=prompt_lookup"), stage="eval")
+    record = run_pipeline(_cfg(tmp_path, "method=prompt_lookup", experiment="tiny_base"), stage="eval")
     assert record["kind"] == "eval" and record["train"] is None and record["artifacts"]["draft"] is None
     assert record["eval"]["mismatches_vs_ar"] == 0 and record["eval"]["label"] == "PLD"
+    # The record names the method's own axes and config; a training-free drafter has no tree budget.
+    assert record["eval"]["axes"] == {"draft_tokens": 8, "branches": 1}
+    assert record["eval"]["method_config"]["drafter"]["num_draft_tokens"] == 8
     saved = json.loads((tmp_path / "record.json").read_text())
     assert saved["metrics"] == record["metrics"]
     method = load_answers(tmp_path / "answers" / "prompt_lookup.jsonl")
@@ -41,17 +46,17 @@ def test_eval_training_free_method_writes_answers_and_record(tmp_path, monkeypat
 def test_record_names_the_commit_the_job_started_on(tmp_path, monkeypatch, shared_data):
     # A commit made while a long job runs must not be credited with its results.
     from draftlab import tracking
-    from draftlab.stages.train import run_pipeline
+    from draftlab.stages.pipeline import run_pipeline
 
     _env(monkeypatch, tmp_path, shared_data)
     heads = iter([{"commit": "at-start", "dirty": False}, {"commit": "later", "dirty": False}])
     monkeypatch.setattr(tracking, "git_info", lambda repo=None: next(heads))
-    record = run_pipeline(_cfg(tmp_path, "method=prompt_lookup"), stage="eval")
+    record = run_pipeline(_cfg(tmp_path, "method=prompt_lookup", experiment="tiny_base"), stage="eval")
     assert record["git"]["commit"] == "at-start"
 
 
 def test_eval_of_a_trained_method_needs_a_draft(tmp_path, monkeypatch, shared_data):
-    from draftlab.stages.train import run_pipeline
+    from draftlab.stages.pipeline import run_pipeline
 
     _env(monkeypatch, tmp_path, shared_data)
     with pytest.raises(ValueError, match="draft_path"):
@@ -61,7 +66,7 @@ def test_eval_of_a_trained_method_needs_a_draft(tmp_path, monkeypatch, shared_da
 def test_eval_loads_an_exported_draft(tmp_path, monkeypatch, shared_data, tiny_target):
     from draftlab.export.native import save_native
     from draftlab.methods.eagle3 import Eagle3Draft
-    from draftlab.stages.train import run_pipeline
+    from draftlab.stages.pipeline import run_pipeline
 
     _env(monkeypatch, tmp_path, shared_data)
     torch.manual_seed(0)
@@ -75,7 +80,7 @@ def test_eval_loads_an_exported_draft(tmp_path, monkeypatch, shared_data, tiny_t
 def test_init_head_from_target_copies_the_draft_vocabulary_rows(tiny_target):
     from draftlab.data.vocab import build_vocab_mapping
     from draftlab.methods.eagle3 import Eagle3Draft
-    from draftlab.stages.train import init_head_from_target
+    from draftlab.methods.eagle3.build import init_head_from_target
 
     freq = torch.zeros(tiny_target.geometry.vocab_size, dtype=torch.long)
     freq[torch.randperm(freq.numel())[:300]] = 5
@@ -89,7 +94,7 @@ def test_init_head_from_target_copies_the_draft_vocabulary_rows(tiny_target):
 
 def test_train_confu_end_to_end_then_reuse(tmp_path, monkeypatch, shared_data):
     """ConFu through draftlab-train: data -> training (target in the loop) -> own artifact -> lossless eval."""
-    from draftlab.stages.train import run_pipeline
+    from draftlab.stages.pipeline import run_pipeline
 
     _env(monkeypatch, tmp_path, shared_data)
     overrides = ["method=confu", "method.draft.num_soft_prompts=4", "method.module.num_anchors=4",
@@ -104,23 +109,27 @@ def test_train_confu_end_to_end_then_reuse(tmp_path, monkeypatch, shared_data):
 
 
 def test_continue_training_from_an_existing_draft(tmp_path, tiny_target):
-    """``method.init.from`` starts from a saved draft (weights and vocabulary); it is part of the training key."""
+    """``method.draft.init.from`` starts from a saved draft (weights and vocabulary); it enters the training key."""
     from draftlab.export.native import save_native
     from draftlab.methods.eagle3 import Eagle3Draft
-    from draftlab.stages.train import _build_draft, train_key
+    from draftlab.methods.registry import MethodSpec
+    from draftlab.stages.train import train_key
+
+    def _build_draft(cfg, target, vocab):
+        return MethodSpec(cfg.method).build_draft(target, vocab)
 
     torch.manual_seed(0)
     start = Eagle3Draft.from_target(tiny_target, draft_vocab_size=512)
     draft_dir = save_native(start, tmp_path / "draft")
-    cfg = _cfg(tmp_path, "method=eagle3", f"method.init.from={draft_dir}")
+    cfg = _cfg(tmp_path, "method=eagle3", f"method.draft.init.from={draft_dir}")
     built = _build_draft(cfg, tiny_target, vocab=None)
     assert torch.equal(built.fc.weight, start.fc.weight) and torch.equal(built.d2t, start.d2t)
     assert train_key(cfg, "data") != train_key(_cfg(tmp_path, "method=eagle3"), "data")
     # The default init leaves keys of earlier runs unchanged.
-    assert train_key(_cfg(tmp_path, "method=eagle3", "method.init.from=null"), "data") == \
+    assert train_key(_cfg(tmp_path, "method=eagle3", "method.draft.init.from=null"), "data") == \
         train_key(_cfg(tmp_path, "method=eagle3"), "data")
     with pytest.raises(ValueError, match="disagrees"):
-        _build_draft(_cfg(tmp_path, "method=eagle3", f"method.init.from={draft_dir}", "method.draft.num_layers=2"),
+        _build_draft(_cfg(tmp_path, "method=eagle3", f"method.draft.init.from={draft_dir}", "method.draft.num_layers=2"),
                      tiny_target, vocab=None)
 
 
@@ -155,3 +164,55 @@ def test_history_rows_hold_each_epochs_own_validation(tmp_path):
     trainer.fit(Tiny(), train_dataloaders=data, val_dataloaders=data)
     val = [r for r in history.rows if "val/epoch_seen" in r]
     assert [(r["epoch"], r["step"], r["val/epoch_seen"]) for r in val] == [(0, 3, 0.0), (1, 6, 1.0), (2, 9, 2.0)]
+
+
+def test_tapped_layers_are_a_method_setting_outside_the_regeneration_key(tmp_path, monkeypatch, shared_data):
+    """Changing the layers a method taps changes the training key but reuses the regenerated data."""
+    from draftlab.stages.data import run_data_stage
+    from draftlab.stages.train import train_key
+
+    _env(monkeypatch, tmp_path, shared_data)
+    cfg = _cfg(tmp_path, "method=eagle3")
+    first = run_data_stage(cfg)
+    moved = _cfg(tmp_path, "method=eagle3", "method.taps=[0,1,1]", "target.layer_convention=output_of")
+    calls = []
+    import draftlab.stages.data as data_stage
+
+    real = data_stage.regenerate
+    monkeypatch.setattr(data_stage, "regenerate", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    second = run_data_stage(moved)
+    assert second.data_key == first.data_key and second.regen_path == first.regen_path
+    # Nothing regenerated: every conversation was already done.
+    assert calls and calls[0].new_tokens == 0 and calls[0].resumed_done == calls[0].input
+    assert train_key(moved, first.data_key) != train_key(cfg, first.data_key)
+    # The draft built for the moved taps reads those layers.
+    from draftlab.methods.registry import MethodSpec
+
+    draft = MethodSpec(moved.method).build_draft(first.target, first.vocab)
+    assert draft.tapped_layers(first.target) == [0, 1, 1]
+
+
+def test_stages_and_decoding_name_no_method():
+    """The seams rule: stages/ and decoding/ never name a method or test a method class (docstrings aside)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "src" / "draftlab"
+    pattern = re.compile(r"confu|eagle|dflash|isinstance\(.*Draft", re.IGNORECASE)
+    offenders = []
+    for folder in ("stages", "decoding"):
+        for path in sorted((root / folder).glob("*.py")):
+            source = path.read_text()
+            docstrings = {n.body[0].value.lineno for n in ast.walk(ast.parse(source))
+                          if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                          and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+            doc_lines = set()
+            for n in ast.walk(ast.parse(source)):
+                if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and n.value.lineno in docstrings:
+                    doc_lines.update(range(n.value.lineno, n.value.end_lineno + 1))
+            for i, line in enumerate(source.splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if i not in doc_lines and pattern.search(code):
+                    offenders.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)

@@ -33,8 +33,8 @@ def _records(sweep: Path) -> list[dict]:
 def sweep(tmp_path_factory, shared_data):
     tmp = tmp_path_factory.mktemp("sweep")
     first = tmp / "ttt_x_temp_x_nodes"
-    _run(["-m", "draftlab.cli.train", "-m", "experiment=tiny", "train.ttt_length=1,2", "eval.temperature=0,0.7",
-          "eval.draft_nodes=4,8", f"hydra.sweep.dir={first}", f"paths.log_dir={tmp}", f"paths.artifacts={tmp / 'artifacts'}"], tmp, shared_data)
+    _run(["-m", "draftlab.cli.train", "-m", "experiment=tiny", "method.module.ttt_length=1,2", "eval.temperature=0,0.7",
+          "method.drafter.total_tokens=4,8", f"hydra.sweep.dir={first}", f"paths.log_dir={tmp}", f"paths.artifacts={tmp / 'artifacts'}"], tmp, shared_data)
     return tmp, first
 
 
@@ -44,7 +44,8 @@ def test_every_job_trains_or_reuses_once_and_writes_a_record(sweep):
     assert len(records) == 8
     # Two TTT lengths -> two trained drafts; the other six jobs reuse them.
     trained = [r for r in records if not r["train"]["reused"]]
-    assert sorted(r["config"]["train"]["ttt_length"] for r in trained) == [1, 2]
+    assert sorted(r["config"]["method"]["module"]["ttt_length"] for r in trained) == [1, 2]
+    assert sorted(r["eval"]["axes"]["ttt_length"] for r in trained) == [1, 2]
     assert len({r["artifacts"]["train_key"] for r in records}) == 2
     for r in records:
         assert r["schema"] == "draftlab.record/1" and r["kind"] == "train"
@@ -76,7 +77,7 @@ def test_each_job_is_its_own_wandb_run_grouped_by_sweep(sweep):
 def test_second_eval_sweep_trains_nothing_and_table_regenerates(sweep, shared_data):
     tmp, first = sweep
     second = tmp / "nodes6"
-    proc = _run(["-m", "draftlab.cli.train", "-m", "experiment=tiny", "train.ttt_length=1,2", "eval.draft_nodes=6",
+    proc = _run(["-m", "draftlab.cli.train", "-m", "experiment=tiny", "method.module.ttt_length=1,2", "method.drafter.total_tokens=6",
                  f"hydra.sweep.dir={second}", f"paths.log_dir={tmp}", f"paths.artifacts={tmp / 'artifacts'}"], tmp, shared_data)
     records = _records(second)
     assert len(records) == 2 and all(r["train"]["reused"] for r in records)

@@ -28,8 +28,9 @@ def make_record(*, label: str, nodes: int | None = 30, temperature: float = 0.0,
     method = {"EAGLE-3": "eagle3"}.get(label, "confu")
     ev = None
     if kind == "eval":
-        ev = {"bench": bench, "method": method, "label": label, "temperature": temperature, "draft_nodes": nodes,
-              "ttt_length": ttt_length, "columns": cols or {}, "accept_lengths": accept_lengths or {},
+        axes = {k: v for k, v in (("nodes", nodes), ("ttt_length", ttt_length)) if v is not None}
+        ev = {"bench": bench, "method": method, "label": label, "temperature": temperature, "axes": axes,
+              "columns": cols or {}, "accept_lengths": accept_lengths or {},
               "mismatches_vs_ar": 0 if temperature == 0 else None}
     return {
         "schema": "draftlab.record/1", "kind": kind, "run_name": run_name or f"{method}-n{nodes}-t{temperature}",

@@ -95,3 +95,17 @@ def test_group_records(main_sweep):
 
 def test_format_temperature():
     assert [format_temperature(t) for t in (0, 0.0, 0.7, 1, 0.75, None)] == ["0.0", "0.0", "0.7", "1.0", "0.75", None]
+
+
+def test_axes_come_from_the_record_and_old_records_still_read(tmp_path):
+    from analysis.results import Record
+
+    new = make_record(label="PLD", nodes=None)
+    new["eval"]["axes"] = {"draft_tokens": 8}
+    rec = Record(path=tmp_path / "record.json", data=new)
+    assert rec.draft_nodes is None and rec.axis("draft_tokens") == 8  # a training-free row has no "Nodes"
+    old = make_record(label="EAGLE-3")
+    old["eval"].pop("axes")
+    old["eval"].update(draft_nodes=8, ttt_length=7)  # the pre-axes record layout
+    rec = Record(path=tmp_path / "record.json", data=old)
+    assert (rec.draft_nodes, rec.ttt_length) == (8, 7)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from draftlab.decoding.drafter import Drafter
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
 from draftlab.decoding.sampling import logits_to_probs
 from draftlab.decoding.tree import DraftTree
@@ -20,16 +21,11 @@ V = 4
 N_RUNS = 4000
 
 
-class TableDrafter:
+class TableDrafter(Drafter):
     """Chain drafter from its own bigram table: sampled (with q) or greedy (deterministic)."""
-
-    needs_aux = False
 
     def __init__(self, table, depth, sampled):
         self.q, self.depth, self.sampled = torch.softmax(table, -1), depth, sampled
-
-    def reset(self, state):
-        pass
 
     def propose(self, state):
         toks, rows, cur = [], [], state.root
@@ -41,9 +37,6 @@ class TableDrafter:
         if self.sampled:
             return DraftTree.chain(state.root, toks, draft_probs=torch.stack(rows))
         return DraftTree.chain(state.root, toks)
-
-    def update(self, state, result, tree):
-        pass
 
 
 @pytest.mark.parametrize("sampled", [True, False])

@@ -2,6 +2,7 @@
 
 import torch
 
+from draftlab.decoding.drafter import Drafter
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
 from draftlab.decoding.tree import DraftTree
 from tests.stubs import TableTarget
@@ -11,24 +12,16 @@ CYCLE = {i: i % 9 + 1 for i in range(1, 10)}
 CYCLE[0] = 1
 
 
-class FixedDrafter:
+class FixedDrafter(Drafter):
     """Proposes the trees it is given, one per round (the last one repeats)."""
-
-    needs_aux = False
 
     def __init__(self, make_tree):
         self.make_tree = make_tree
         self.rounds = 0
 
-    def reset(self, state):
-        pass
-
     def propose(self, state):
         self.rounds += 1
         return self.make_tree(state.root)
-
-    def update(self, state, result, tree):
-        pass
 
 
 def _chain(root, toks):

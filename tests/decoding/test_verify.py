@@ -49,7 +49,7 @@ def test_greedy_chain_accept_all():
 
 def test_greedy_chain_reject_all():
     result = verify(argmax_logits([5, 2, 3, 4]), CHAIN, temperature=0.0)
-    assert result == VerifyResult(path=[0], bonus_token=5)
+    assert result == VerifyResult(path=[0], bonus_token=5, rejected=[1])
     assert result.accepted_tokens(CHAIN) == [5] and result.accept_length == 1
 
 
@@ -63,9 +63,10 @@ def test_greedy_tree_follows_the_matching_branch():
     logits = argmax_logits([6, 8, 9, 0, 1, 3])
     result = verify(logits, TREE, temperature=0.0)
     assert result.path == [0, 2, 5] and result.accepted_tokens(TREE) == [6, 9, 3]
+    assert result.rejected == []  # the walk ended at a leaf
     # Root argmax 7 -> node 3, a leaf with no children.
     result = verify(argmax_logits([7, 8, 9, 4, 1, 3]), TREE, temperature=0.0)
-    assert result.path == [0, 3] and result.accepted_tokens(TREE) == [7, 4]
+    assert result.path == [0, 3] and result.accepted_tokens(TREE) == [7, 4] and result.rejected == []
     # Top-k / top-p cannot change the argmax, so greedy ignores them.
     assert verify(logits, TREE, temperature=0.0, top_k=1, top_p=0.1).path == [0, 2, 5]
 
@@ -73,6 +74,21 @@ def test_greedy_tree_follows_the_matching_branch():
 def test_greedy_takes_the_first_of_duplicate_siblings():
     tree = DraftTree.from_parents([0, 4, 4], [-1, 0, 0])
     assert verify(argmax_logits([4, 1, 2]), tree, temperature=0.0).path == [0, 1]
+
+
+def test_greedy_rejected_nodes():
+    # Root wants 6 (node 2); node 2 wants 0, which neither of its children (8, 9) is: both rejected.
+    result = verify(argmax_logits([6, 1, 0, 1, 1, 1]), TREE, temperature=0.0)
+    assert result.path == [0, 2] and result.rejected == [4, 5] and result.bonus_token == 0
+    # Nothing under the root matches: all three root children are rejected, in index order.
+    result = verify(argmax_logits([4, 1, 0, 1, 1, 1]), TREE, temperature=0.0)
+    assert result.path == [0] and result.rejected == [1, 2, 3]
+    # A chain rejected in the middle: the one child of the last accepted node.
+    result = verify(argmax_logits([1, 2, 7, 4]), CHAIN, temperature=0.0)
+    assert result.path == [0, 1, 2] and result.rejected == [3]
+    # Duplicate siblings are both rejected.
+    tree = DraftTree.from_parents([0, 4, 4, 5], [-1, 0, 0, 0])
+    assert verify(argmax_logits([3, 1, 2, 1]), tree, temperature=0.0).rejected == [1, 2, 3]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -153,6 +169,46 @@ def test_sampling_partial_tree(rule):
     for seed in range(10):
         result = verify(logits, tree, temperature=1.0, generator=torch.Generator().manual_seed(seed))
         assert result.path == [0, 2] and result.accepted_tokens(tree) == [6, 0]
+        # Node 1 (token 5) was rejected on the way, but the walk stopped at node 2: its children are the
+        # rejected nodes.
+        assert result.rejected == [4, 5]
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_sampling_rejected_nodes(rule):
+    tree = RULES[rule](TREE)
+    # The target cannot emit any root child: all three are tried and rejected.
+    logits = torch.zeros(TREE.size, V)
+    logits[0, [5, 6, 7]] = NEG
+    for seed in range(10):
+        result = verify(logits, tree, temperature=1.0, generator=torch.Generator().manual_seed(seed))
+        assert result.path == [0] and result.rejected == [1, 2, 3]
+    # Accepted to a leaf: nothing rejected at the stopping node.
+    result = verify(point_mass_logits([7, 1, 1, 2, 1, 1]), tree, temperature=1.0,
+                    generator=torch.Generator().manual_seed(0))
+    assert result.path == [0, 3] and result.rejected == [] and result.bonus_token == 2
+
+
+@pytest.mark.parametrize("rule", ["greedy", *RULES])
+@pytest.mark.parametrize("seed", range(5))
+def test_rejected_nodes_are_the_children_where_the_walk_stopped(rule, seed):
+    # Random trees and logits: ``rejected`` is exactly the children of the last accepted node, and under
+    # greedy / the deterministic rule the bonus is never one of their tokens (their mass was removed).
+    gen = torch.Generator().manual_seed(seed)
+    size = 12
+    parents = [-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, size)]
+    tokens = torch.randint(0, 4, (size,), generator=gen)  # few distinct tokens: acceptances and duplicates
+    tree = DraftTree.from_parents(tokens, parents)
+    tree = tree if rule in ("greedy", "deterministic") else sampled(tree, seed)
+    logits = torch.randn(size, V, generator=gen)
+    logits[:, :4] += 2.0
+    children = [[c for c in range(size) if parents[c] == i] for i in range(size)]
+    for trial in range(20):
+        result = verify(logits, tree, temperature=0.0 if rule == "greedy" else 1.0,
+                        generator=torch.Generator().manual_seed(trial))
+        assert result.rejected == children[result.path[-1]]
+        if rule != "sampled":
+            assert result.bonus_token not in tokens[result.rejected].tolist()
 
 
 def test_deterministic_rule_renormalises_after_a_rejection():
@@ -201,7 +257,7 @@ def test_sampled_rule_falls_back_to_the_target_on_an_empty_residual():
     q[1, 0] = 1.0
     tree = DraftTree.from_parents([9, 1], [-1, 0], draft_probs=q)
     result = verify(point_mass_logits([0, 0]), tree, temperature=1.0, generator=torch.Generator().manual_seed(0))
-    assert result == VerifyResult(path=[0], bonus_token=0)
+    assert result == VerifyResult(path=[0], bonus_token=0, rejected=[1])
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -211,7 +267,7 @@ def test_truncated_tokens_are_never_accepted(rule):
     logits[0, 3] = 5.0  # top_k=1 keeps token 3 only: no child of the root can be accepted
     for seed in range(20):
         result = verify(logits, tree, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(seed))
-        assert result == VerifyResult(path=[0], bonus_token=3)
+        assert result == VerifyResult(path=[0], bonus_token=3, rejected=[1, 2, 3])
 
 
 @pytest.mark.parametrize("rule", list(RULES))

@@ -8,12 +8,12 @@ import lightning as L
 import pytest
 import torch
 
+from draftlab.data.features import precompute_features
 from draftlab.data.template import RenderedSample
 from draftlab.data.vocab import build_vocab_mapping, token_frequencies
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate
 from draftlab.methods.eagle3 import Eagle3Draft
 from draftlab.methods.eagle3.data import Eagle3DataModule
-from draftlab.methods.eagle3.features import precompute_features
 from draftlab.methods.eagle3.module import Eagle3Module, cosine_with_warmup
 
 VD = 128

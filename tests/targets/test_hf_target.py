@@ -87,3 +87,26 @@ def test_cache_overflow_is_explicit(tiny_target):
     cache = tiny_target.new_cache(1, 4)
     with pytest.raises(RuntimeError, match="KV cache overflow"):
         tiny_target.forward(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+
+
+def test_target_protocol_lists_what_callers_use(tiny_target):
+    from draftlab.targets import Target
+
+    used = ["geometry", "tokenizer", "name", "layer_convention", "aux_layer_ids", "eos_token_ids", "device", "dtype",
+            "model", "chat_template", "new_cache", "forward", "forward_with_grad", "embed", "lm_head", "final_norm",
+            "forward_layers", "check_layer_ids"]
+    declared = set(Target.__annotations__) | {n for n in vars(Target) if not n.startswith("_")}
+    assert [n for n in used if n not in declared] == []
+    assert isinstance(tiny_target, Target)
+
+
+def test_embed_norm_head_are_the_forward_pieces(tiny_target):
+    x = torch.randint(0, 5000, (2, 7), generator=torch.Generator().manual_seed(6))  # [B, T]
+    out = tiny_target.forward(x, return_last_hidden=True)
+    h = tiny_target.forward_layers(tiny_target.embed(x), 0, tiny_target.geometry.num_layers).hidden  # [B, T, d]
+    with torch.no_grad():
+        assert torch.equal(tiny_target.final_norm(h), out.last_hidden)
+        assert torch.equal(tiny_target.lm_head(h), out.logits)
+        assert torch.equal(tiny_target.lm_head(out.last_hidden, norm=False), out.logits)
+        one = tiny_target.lm_head(h[:1, -1:])  # [1, 1, V]: the single-row transposed head
+    torch.testing.assert_close(one, out.logits[:1, -1:], rtol=0, atol=1e-5)

@@ -10,7 +10,7 @@ from draftlab.cli import config_dir
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def main(cfg: DictConfig) -> None:
-    from draftlab.stages.train import run_pipeline
+    from draftlab.stages.pipeline import run_pipeline
 
     run_pipeline(cfg, stage="train")
 

@@ -1,29 +1,45 @@
 """The drafter protocol: the one seam between a speculative method and the decoding engine.
 
 Each round the engine asks ``drafter.propose(state)`` for a ``DraftTree`` rooted at the last committed
-token, verifies it in one target pass, commits the accepted path and calls ``drafter.update(state, result)``.
-The verifier and the acceptance rule never change per method; methods differ only in how they propose.
+token, adds the drafter's ``extra_rows`` (if any) to the same verify pass, verifies the tree, commits the
+accepted path and calls ``drafter.update(state, out)`` with a typed ``VerifyOutput``. The verifier and
+the acceptance rule never change per method; methods differ only in how they propose.
+
+Every member the engine calls is declared on ``Drafter`` with a default, and drafters subclass it
+explicitly to inherit those defaults, so the engine never probes a drafter for optional methods:
+
+- ``aux_layers(target)``: target layers whose hidden states the drafter reads (target's convention).
+  The engine passes them as ``target.forward(..., return_aux=True, aux_layer_ids=...)`` in the prefill
+  and in every verify pass. ``None`` (default): no aux states are computed at all.
+- ``verify_rows(cfg)``: rows of the largest verify pass (tree nodes + extra rows); the engine sizes the
+  target cache's scratch for ``max(cfg.max_tree_rows, verify_rows)``. ``None``: ``cfg.max_tree_rows``.
+- ``extra_rows(state, tree)``: rows appended after the tree in the verify pass (default ``None``).
+- ``reset(state)`` once per sequence after prefill, ``propose(state)`` and ``update(state, out)`` per round.
 
 How every method on the roadmap fits:
 
-- **EAGLE-3 (feature drafters, dynamic trees).** ``needs_aux = True``: the engine returns the target's
-  auxiliary hidden states for the prefill rows and for the accepted rows of every verify pass
-  (``state.accepted_aux``). The drafter keeps its own draft KV cache across rounds, extends it with those
-  features in ``update``, and grows an EAGLE-2 dynamic tree with ``decoding.tree.build_dynamic_tree``.
+- **EAGLE-3 (feature drafters, dynamic trees).** ``aux_layers`` names the draft's three taps: the engine
+  returns them for the prefill rows (``state.accepted_aux`` at ``reset``) and for the kept rows of every
+  verify pass (``out.accepted_aux``). The drafter keeps its own draft KV cache across rounds, extends it
+  with those features in ``update``, and grows an EAGLE-2 dynamic tree with ``decoding.tree.build_dynamic_tree``.
 - **ConFu (contemplate rows, a carried future vector).** ``extra_rows(state, tree)`` returns extra inputs
   (embeddings + their mask rows + positions) appended after the tree in the verify pass. They attend to
   the prefix and to their own node's ancestors, nothing attends to them, and they are never committed to
-  the target cache (``KVCache.commit_rows`` only keeps the accepted path). The engine hands the outputs
-  of those rows back through ``state.extra_out``; the drafter picks the row of the last accepted node as
-  its future vector for the next round.
+  the target cache (``KVCache.commit_rows`` only keeps the accepted path). Their outputs come back typed
+  as ``out.extra`` (``ExtraOutput``); the drafter picks the row of the last accepted node as its future
+  vector for the next round.
 - **Self-speculation (SpecBound early exit, SparseSpec-L sparse KV).** ``propose`` may run the target's own
   first layers / a sparse view of its cache: ``state.target`` and ``state.cache`` are exposed read-only
   (draft rows go to scratch slots past ``cache.length``; the verify pass overwrites them). Proposals carry
   their draft distribution (``draft_probs``) when sampled, so the min(1, p/q) rule stays exact.
 - **Block drafters (DFlash).** A block of tokens proposed in one shot is a chain: ``DraftTree.chain``.
 - **Speculation caches (SSD/Saguaro).** The drafter pre-computes trees for likely verification outcomes
-  while the target verifies; ``update(state, result)`` receives the exact outcome (accepted path + bonus
-  token), which is the key of its cache, and ``propose`` returns the pre-computed tree on a hit.
+  while the target verifies; ``update(state, out)`` receives the exact outcome (``out.result.path`` +
+  bonus, and the rejected nodes), which is the key of its cache, and ``propose`` returns the
+  pre-computed tree on a hit.
+- **On-policy training.** ``out.logits`` are the target logits at every tree node (the ones the verifier
+  used) and ``out.result.rejected`` the nodes where the walk stopped; ``speculative_generate(...,
+  trace=True)`` records the same per round (``engine.RoundTrace``).
 """
 
 from __future__ import annotations
@@ -47,6 +63,47 @@ class ExtraRows:
     # [R] bool: whether each row sees the committed prefix; None = every row does. Rows that must not
     # depend on the sequence (ConFu's soft prompts) set False.
     sees_prefix: torch.Tensor | None = None
+    # Which target outputs of these rows ``ExtraOutput`` carries besides the aux states (always there when
+    # the drafter taps aux layers). Off by default: the LM head over R extra rows is wasted work otherwise.
+    want_logits: bool = False
+    want_hidden: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.embeds.shape[0])
+
+
+@dataclass
+class ExtraOutput:
+    """The target's outputs at the extra rows of one verify pass; row j belongs to extra row j."""
+
+    logits: torch.Tensor | None  # [R, V] when ExtraRows.want_logits
+    aux: torch.Tensor | None  # [R, n_aux*d] when the drafter taps aux layers
+    hidden: torch.Tensor | None  # [R, d] final-norm hidden states when ExtraRows.want_hidden
+
+
+@dataclass
+class VerifyOutput:
+    """Everything one verify pass produced, handed to ``Drafter.update``.
+
+    The rows of ``logits``/``aux`` are tree nodes (row i = node i). ``kept`` tokens were emitted this round:
+    the tokens of ``result.path[1:kept]`` and, when ``kept == len(result.path)``, the bonus token; a round
+    cut at EOS or the token budget keeps fewer. ``accepted_aux`` are the aux rows of ``result.path[:kept]``
+    (the rows whose tokens are now committed context, root first).
+    """
+
+    tree: DraftTree
+    result: VerifyResult
+    logits: torch.Tensor  # [N, V] target logits at the tree nodes (the ones verify used)
+    aux: torch.Tensor | None  # [N, n_aux*d] aux states of every tree row
+    accepted_aux: torch.Tensor | None  # [kept, n_aux*d]
+    extra: ExtraOutput | None  # outputs of the drafter's extra rows
+    kept: int
+
+    @property
+    def kept_path(self) -> list[int]:
+        """Nodes whose tokens entered the committed sequence this round (the root first)."""
+        return self.result.path[: self.kept]
 
 
 @dataclass
@@ -61,10 +118,10 @@ class DecodeState:
     top_k: int | None = None
     top_p: float | None = None
     generator: torch.Generator | None = None
-    # Aux hidden states of the rows just committed ([n, n_aux*d]) when the drafter asked for them:
-    # the prompt after prefill, then the root + accepted nodes of each verify pass.
+    # Aux hidden states of the rows just committed ([n, n_aux*d]) when the drafter taps aux layers: the
+    # prompt after prefill (what ``reset`` reads), then ``VerifyOutput.accepted_aux`` of the last round
+    # (what ``extra_rows`` of the next round may key on).
     accepted_aux: torch.Tensor | None = None
-    extra_out: object | None = None  # target outputs of the extra rows of the last verify pass
     scratch: dict = field(default_factory=dict)  # per-sequence drafter state, cleared by the engine
 
     @property
@@ -74,28 +131,33 @@ class DecodeState:
 
 @runtime_checkable
 class Drafter(Protocol):
-    needs_aux: bool
+    """What the engine calls. Subclass it explicitly: every member but ``propose`` has a default."""
+
+    def aux_layers(self, target) -> list[int] | None:
+        """Target layers to capture (in ``target.layer_convention``); ``None``: no aux states."""
+        return None
+
+    def verify_rows(self, cfg) -> int | None:
+        """Rows of the largest verify pass under ``cfg`` (tree + extra rows); ``None``: the engine default."""
+        return None
+
+    def extra_rows(self, state: DecodeState, tree: DraftTree) -> ExtraRows | None:
+        """Rows to append after ``tree`` in this round's verify pass; ``None``: none."""
+        return None
 
     def reset(self, state: DecodeState) -> None:
         """A new sequence starts (called once after prefill)."""
 
     def propose(self, state: DecodeState) -> DraftTree:
         """A draft tree whose node 0 is ``state.root``."""
+        raise NotImplementedError
 
-    def update(self, state: DecodeState, result: VerifyResult, tree: DraftTree) -> None:
-        """The round's outcome: accepted path (node indices) and bonus token; ``state`` already updated."""
+    def update(self, state: DecodeState, out: VerifyOutput) -> None:
+        """The round's outcome; ``state.tokens`` and ``state.accepted_aux`` already include the kept tokens."""
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     """Proposes nothing: every round is one target step (used to check the engine against AR)."""
-
-    needs_aux = False
-
-    def reset(self, state: DecodeState) -> None:
-        pass
 
     def propose(self, state: DecodeState) -> DraftTree:
         return DraftTree.chain(state.root, [])
-
-    def update(self, state: DecodeState, result: VerifyResult, tree: DraftTree) -> None:
-        pass

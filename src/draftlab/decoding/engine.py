@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftlab.decoding.drafter import DecodeState, Drafter, NoDrafter
+from draftlab.decoding.drafter import DecodeState, Drafter, ExtraOutput, ExtraRows, NoDrafter, VerifyOutput
 from draftlab.decoding.sampling import logits_to_probs, sample
-from draftlab.decoding.tree import ancestor_mask
-from draftlab.decoding.verify import verify
+from draftlab.decoding.tree import DraftTree, ancestor_mask
+from draftlab.decoding.verify import VerifyResult, verify
 
 
 @dataclass
@@ -27,8 +27,36 @@ class GenerationConfig:
     top_p: float | None = None
     seed: int | None = None
     stop_on_eos: bool = True
-    # Scratch room past the context for the largest verify pass (tree nodes + extra rows).
+    # Scratch room past the context for the largest verify pass (tree nodes + extra rows); the engine
+    # raises it to ``drafter.verify_rows(cfg)`` when the drafter declares more.
     max_tree_rows: int = 128
+
+
+@dataclass
+class RoundTrace:
+    """One round as on-policy training consumes it (``speculative_generate(..., trace=True)``).
+
+    Node i sits at sequence position ``anchor + depth[i]`` (the root at ``anchor``, the committed target
+    length before the round), so ``target_logprobs[i]`` is the target's distribution of the token at
+    position ``anchor + depth[i] + 1``. They are ``log_softmax`` of the very logits the verifier used (no
+    extra pass); ``logits_to_probs(target_logprobs, temperature, top_k, top_p)`` is the verify distribution.
+    """
+
+    anchor: int
+    tokens: torch.Tensor  # [N] node 0 = root
+    parents: torch.Tensor  # [N]
+    draft_probs: torch.Tensor | None  # [N, V] as the drafter proposed them (None when it gave none)
+    deterministic: bool  # which acceptance rule verified the tree
+    target_logprobs: torch.Tensor  # [N, V] CPU, float32 unless asked otherwise
+    path: list[int]
+    rejected: list[int]
+    bonus: int
+    kept: int  # tokens emitted this round: path[1:] tokens then the bonus, cut to ``kept``
+
+    @property
+    def emitted(self) -> list[int]:
+        toks = self.tokens.tolist()
+        return ([toks[i] for i in self.path[1:]] + [self.bonus])[: self.kept]
 
 
 @dataclass
@@ -42,6 +70,7 @@ class DecodeStats:
     tree_sizes: list[int] = field(default_factory=list)
     prefill_time: float = 0.0
     wall_time: float = 0.0
+    trace: list[RoundTrace] | None = None  # per round, with ``trace=True``; not part of ``as_dict``
 
     @property
     def rounds(self) -> int:
@@ -74,11 +103,11 @@ def _generator(cfg: GenerationConfig) -> torch.Generator | None:
     return torch.Generator().manual_seed(cfg.seed)
 
 
-def _prefill(target, prompt_ids: list[int], cfg: GenerationConfig, need_aux: bool):
-    cache = target.new_cache(1, len(prompt_ids) + cfg.max_new_tokens + cfg.max_tree_rows)
+def _prefill(target, prompt_ids: list[int], cfg: GenerationConfig, scratch: int, aux_kw: dict):
+    cache = target.new_cache(1, len(prompt_ids) + cfg.max_new_tokens + scratch)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)  # [1, P]
-    out = target.forward(ids, cache=cache, return_aux=need_aux,
-                         logits_rows=torch.tensor([len(prompt_ids) - 1], device=target.device))
+    out = target.forward(ids, cache=cache, logits_rows=torch.tensor([len(prompt_ids) - 1], device=target.device),
+                         **aux_kw)
     cache.commit(len(prompt_ids))
     return cache, out
 
@@ -93,66 +122,109 @@ def _stop_index(tokens: list[int], eos: set[int], budget: int, stop_on_eos: bool
     return n
 
 
+def _verify_inputs(target, tree: DraftTree, extra: ExtraRows | None, past: int):
+    """(input ids or None, input embeds or None, positions [rows], mask [rows, past + rows]) of a verify pass."""
+    device = target.device
+    n = tree.size
+    # Each node sees the whole committed prefix plus its own ancestors; position = past + depth.
+    tree_mask = ancestor_mask(tree.parents).to(device)  # [N, N]
+    ids = tree.tokens.to(device)[None]  # [1, N]
+    pos = past + tree.depth.to(device)  # [N]
+    embeds = None
+    if extra is not None:
+        r = extra.num_rows
+        tree_mask = torch.cat([torch.cat([tree_mask, tree_mask.new_zeros(n, r)], 1), extra.tree_mask.to(device)], 0)
+        embeds = torch.cat([target.embed(ids)[0], extra.embeds.to(device)], 0)[None]
+        pos = torch.cat([pos, extra.position_ids.to(device)])  # [N + R]
+        ids = None
+    rows = tree_mask.shape[0]
+    mask = torch.cat([tree_mask.new_ones(rows, past), tree_mask], 1)  # [rows, past + rows]
+    if extra is not None and extra.sees_prefix is not None:
+        mask[n:, :past] = extra.sees_prefix.to(device)[:, None]
+    return ids, embeds, pos, mask
+
+
+def _extra_output(vout, extra: ExtraRows, n: int) -> ExtraOutput:
+    return ExtraOutput(logits=vout.logits[0, n:] if extra.want_logits else None,  # [R, V]
+                       aux=vout.aux_hidden[0, n:] if vout.aux_hidden is not None else None,  # [R, n_aux*d]
+                       hidden=vout.last_hidden[0, n:] if extra.want_hidden else None)  # [R, d]
+
+
+def _round_trace(anchor: int, tree: DraftTree, logits: torch.Tensor, result: VerifyResult, kept: int,
+                 dtype: torch.dtype) -> RoundTrace:
+    return RoundTrace(anchor=anchor, tokens=tree.tokens.cpu(), parents=tree.parents.cpu(),
+                      draft_probs=None if tree.draft_probs is None else tree.draft_probs.to("cpu", dtype),
+                      deterministic=bool(tree.deterministic),
+                      target_logprobs=torch.log_softmax(logits.float(), -1).to("cpu", dtype),  # [N, V]
+                      path=list(result.path), rejected=list(result.rejected), bonus=result.bonus_token, kept=kept)
+
+
 @torch.no_grad()
 def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None = None,
-                         cfg: GenerationConfig | None = None) -> tuple[list[int], DecodeStats]:
-    """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt_ids``; returns (new tokens, stats)."""
+                         cfg: GenerationConfig | None = None, *, trace: bool = False,
+                         trace_dtype: torch.dtype = torch.float32) -> tuple[list[int], DecodeStats]:
+    """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt_ids``; returns (new tokens, stats).
+
+    With ``trace``, ``stats.trace`` holds one ``RoundTrace`` per round (tree, draft and target
+    distributions, accepted path, rejected nodes, bonus, kept), taken from the verify pass itself.
+    """
     cfg = cfg or GenerationConfig()
     drafter = drafter or NoDrafter()
     eos = set(target.eos_token_ids)
-    stats = DecodeStats()
+    stats = DecodeStats(trace=[] if trace else None)
     t_start = time.perf_counter()
     gen = _generator(cfg)
-    cache, out = _prefill(target, prompt_ids, cfg, drafter.needs_aux)
+    taps = drafter.aux_layers(target)
+    # Targets without aux support (stubs) never see the keywords unless a drafter asks for aux states.
+    aux_kw = {"return_aux": True, "aux_layer_ids": list(taps)} if taps else {}
+    scratch = max(cfg.max_tree_rows, drafter.verify_rows(cfg) or 0)
+    cache, out = _prefill(target, prompt_ids, cfg, scratch, aux_kw)
     root = int(sample(logits_to_probs(out.logits[0, -1], cfg.temperature, cfg.top_k, cfg.top_p), gen))
-    stats.prefill_time = time.perf_counter() - t_start
     new: list[int] = [root]
     state = DecodeState(target=target, cache=cache, tokens=list(prompt_ids) + [root], prompt_len=len(prompt_ids),
                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=gen,
                         accepted_aux=out.aux_hidden[0] if out.aux_hidden is not None else None)
     drafter.reset(state)  # a feature drafter runs its first pass here: part of the prefill cost
     stats.prefill_time = time.perf_counter() - t_start
-    device = target.device
     while len(new) < cfg.max_new_tokens and not (cfg.stop_on_eos and new[-1] in eos):
         t0 = time.perf_counter()
         tree = drafter.propose(state)
         t1 = time.perf_counter()
         n = tree.size
-        extra = drafter.extra_rows(state, tree) if hasattr(drafter, "extra_rows") else None
+        extra = drafter.extra_rows(state, tree)
+        rows = n + (extra.num_rows if extra is not None else 0)
+        if rows > scratch:
+            raise RuntimeError(f"a verify pass of {rows} rows (tree {n} + extra {rows - n}) exceeds the {scratch} "
+                               "scratch rows reserved: declare them in Drafter.verify_rows or raise "
+                               "GenerationConfig.max_tree_rows")
         past = cache.length
-        # Each node sees the whole committed prefix plus its own ancestors; position = past + depth.
-        tree_mask = ancestor_mask(tree.parents).to(device)  # [N, N]
-        ids = tree.tokens.to(device)[None]  # [1, N]
-        pos = past + tree.depth.to(device)  # [N]
-        embeds = None
-        if extra is not None:
-            r = extra.embeds.shape[0]
-            tree_mask = torch.cat([torch.cat([tree_mask, tree_mask.new_zeros(n, r)], 1), extra.tree_mask.to(device)], 0)
-            embeds = torch.cat([target.model.get_input_embeddings()(ids)[0], extra.embeds.to(device)], 0)[None]
-            pos = torch.cat([pos, extra.position_ids.to(device)])
-        rows = tree_mask.shape[0]
-        mask = torch.cat([tree_mask.new_ones(rows, past), tree_mask], 1)  # [rows, past + rows]
-        if extra is not None and extra.sees_prefix is not None:
-            mask[n:, :past] = extra.sees_prefix.to(device)[:, None]
-        vout = target.forward(ids if embeds is None else None, pos, cache, mask, return_aux=drafter.needs_aux,
-                              input_embeds=embeds)
-        result = verify(vout.logits[0, :n], tree, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                        generator=gen)
+        ids, embeds, pos, mask = _verify_inputs(target, tree, extra, past)
+        kw = dict(aux_kw)
+        if extra is not None and not extra.want_logits:
+            kw["logits_rows"] = torch.arange(n, device=target.device)  # no LM head over the extra rows
+        if extra is not None and extra.want_hidden:
+            kw["return_last_hidden"] = True
+        vout = target.forward(ids, pos, cache, mask, input_embeds=embeds, **kw)
+        logits = vout.logits[0, :n]  # [N, V]
+        result = verify(logits, tree, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=gen)
         t2 = time.perf_counter()
         accepted = result.accepted_tokens(tree)
-        keep = _stop_index(accepted, eos, cfg.max_new_tokens - len(new), cfg.stop_on_eos)
-        accepted = accepted[:keep]
+        kept = _stop_index(accepted, eos, cfg.max_new_tokens - len(new), cfg.stop_on_eos)
+        accepted = accepted[:kept]
         cache.commit_rows(result.path)  # root + accepted nodes; the bonus token is next round's root
         new.extend(accepted)
         state.tokens.extend(accepted)
-        if drafter.needs_aux:
-            # Only rows whose tokens were kept (a round cut at EOS / the budget keeps a prefix of the path).
-            state.accepted_aux = vout.aux_hidden[0, result.path[: len(accepted)]]  # [kept, n_aux*d]
-        if extra is not None:
-            state.extra_out = (vout, n)
-        drafter.update(state, result, tree)
+        aux = vout.aux_hidden[0, :n] if vout.aux_hidden is not None else None  # [N, n_aux*d]
+        # Only rows whose tokens were kept (a round cut at EOS / the budget keeps a prefix of the path).
+        state.accepted_aux = aux[result.path[:kept]] if aux is not None else None  # [kept, n_aux*d]
+        drafter.update(state, VerifyOutput(tree=tree, result=result, logits=logits, aux=aux,
+                                           accepted_aux=state.accepted_aux,
+                                           extra=_extra_output(vout, extra, n) if extra is not None else None,
+                                           kept=kept))
         t3 = time.perf_counter()
-        stats.accept_lengths.append(len(accepted))
+        if trace:
+            stats.trace.append(_round_trace(past, tree, logits, result, kept, trace_dtype))
+        stats.accept_lengths.append(kept)
         # Drafting = proposing this round's tree + absorbing its outcome (a draft pass over accepted rows).
         stats.draft_times.append((t1 - t0) + (t3 - t2))
         stats.verify_times.append(t2 - t1)
@@ -171,7 +243,7 @@ def autoregressive_generate(target, prompt_ids: list[int], cfg: GenerationConfig
     stats = DecodeStats()
     t_start = time.perf_counter()
     gen = _generator(cfg)
-    cache, out = _prefill(target, prompt_ids, cfg, False)
+    cache, out = _prefill(target, prompt_ids, cfg, cfg.max_tree_rows, {})
     tok = int(sample(logits_to_probs(out.logits[0, -1], cfg.temperature, cfg.top_k, cfg.top_p), gen))
     stats.prefill_time = time.perf_counter() - t_start
     new = [tok]

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.decoding.drafter import DecodeState
+from draftlab.decoding.drafter import DecodeState, Drafter
 from draftlab.decoding.tree import DraftTree
-from draftlab.decoding.verify import VerifyResult
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """n-gram lookup against the context (prompt + output so far), as in "prompt lookup decoding".
 
     The trailing n-gram (n from ``max_ngram`` down to ``min_ngram``) is searched for earlier in the context;
@@ -18,15 +17,13 @@ class PromptLookupDrafter:
     deterministic, so the verifier uses the deterministic-candidate rule when sampling.
     """
 
-    needs_aux = False
-
     def __init__(self, num_draft_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1, num_branches: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.k, self.max_ngram, self.min_ngram, self.branches = num_draft_tokens, max_ngram, min_ngram, num_branches
 
-    def reset(self, state: DecodeState) -> None:
-        pass
+    def verify_rows(self, cfg) -> int:
+        return 1 + self.k * self.branches
 
     def _continuations(self, ctx: torch.Tensor) -> list[list[int]]:
         L = ctx.numel()
@@ -65,22 +62,20 @@ class PromptLookupDrafter:
                 parent = index[key]
         return DraftTree.from_parents(torch.tensor(tokens), torch.tensor(parents))
 
-    def update(self, state: DecodeState, result: VerifyResult, tree: DraftTree) -> None:
-        pass
 
-
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the target's own greedy continuation (computed once per sequence with the AR baseline).
 
     Under greedy verification every proposal is accepted, so each round emits ``depth + 1`` tokens: an
     accounting check for the engine's statistics, and an upper bound on what a chain drafter can reach.
     """
 
-    needs_aux = False
-
     def __init__(self, depth: int = 4, reference: list[int] | None = None):
         self.depth = depth
         self.reference = reference  # a greedy AR output computed elsewhere, to avoid recomputing it
+
+    def verify_rows(self, cfg) -> int:
+        return 1 + self.depth
 
     def reset(self, state: DecodeState) -> None:
         if self.reference is not None:
@@ -98,6 +93,3 @@ class OracleDrafter:
         ref = state.scratch["oracle"]
         pos = len(state.tokens) - state.prompt_len  # tokens emitted so far (the root is ref[pos-1])
         return DraftTree.chain(state.root, ref[pos: pos + self.depth])
-
-    def update(self, state: DecodeState, result: VerifyResult, tree: DraftTree) -> None:
-        pass

@@ -42,6 +42,12 @@ rejections): true for i.i.d. siblings with ``q_j = q(.|parent)``, and for sampli
 when ``q_j`` is the conditional distribution given the earlier siblings. It is NOT true for top-k
 candidates, which is why those trees must be marked ``deterministic``.
 
+Rejected nodes. When the walk stops at a node with children, every child was tried and rejected (in
+index order, under each rule); ``VerifyResult.rejected`` lists them. That is where the draft and the
+target parted: the training signal of on-policy methods. Siblings rejected higher up the path are the
+children of ``path[k-1]`` with an index below ``path[k]`` (children are tried in index order, so those
+were all tried and rejected before ``path[k]`` was accepted).
+
 Numerical fallback: if a residual has no positive mass left (or is not finite), ``p`` falls back to the
 unmodified target distribution at the node. In exact arithmetic this cannot happen: the residual is
 empty only when the previous step's acceptance probability was 1. In floating point it can only follow
@@ -50,7 +56,7 @@ a rejection whose probability is of the order of rounding error, so the bias is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,12 +69,15 @@ class VerifyResult:
     """Outcome of one verify pass.
 
     ``path``: accepted node indices, starting with the root 0. ``bonus_token``: the token drawn at the
-    last accepted node. ``accept_length`` (tau for this round, Spec-Bench's convention) is ``len(path)``:
-    the accepted proposals plus the bonus token.
+    last accepted node. ``rejected``: the children of the last accepted node, all tried and rejected, in
+    the order tried (the first rejected node and its rejected siblings at that depth); empty when the
+    walk ended at a leaf. ``accept_length`` (tau for this round, Spec-Bench's convention) is
+    ``len(path)``: the accepted proposals plus the bonus token.
     """
 
     path: list[int]
     bonus_token: int
+    rejected: list[int] = field(default_factory=list)
 
     @property
     def accept_length(self) -> int:
@@ -83,42 +92,48 @@ class VerifyResult:
 
 def _try_deterministic(
     p: torch.Tensor, kids: list[int], tokens: list[int], token_ids: torch.Tensor, coins: list[float]
-) -> tuple[int | None, torch.Tensor]:
-    # EAGLE's rule at one node; returns (accepted child or None, distribution for the bonus).
+) -> tuple[int | None, torch.Tensor, list[int]]:
+    # EAGLE's rule at one node; returns (accepted child or None, distribution for the bonus, rejected children).
     # Zeroing a rejected token and renormalising only changes the running mass, so one gather of p at
     # the tree's tokens and host-side scalars replace a vector pass per rejection.
     p_at_nodes = p.index_select(0, token_ids).tolist()  # [N]
     mass = float(p.sum())
-    rejected: list[int] = []
+    rejected_tokens: list[int] = []
+    rejected_nodes: list[int] = []
     for child in kids:
         x, px = tokens[child], p_at_nodes[child]
-        if x in rejected:
+        if x in rejected_tokens:
+            rejected_nodes.append(child)
             continue  # a duplicate sibling: its probability is already zero
         # u < p(x) / sum(p) without dividing by a possibly tiny mass; px > 0 keeps rounding in the
         # running mass from ever accepting a token the target cannot emit.
         if px > 0 and coins[child] * mass < px:
-            return child, p
-        rejected.append(x)
+            return child, p, rejected_nodes
+        rejected_tokens.append(x)
+        rejected_nodes.append(child)
         mass -= px
-    residual = p.index_fill(0, torch.tensor(rejected, device=p.device), 0.0)  # [V]
+    residual = p.index_fill(0, torch.tensor(rejected_tokens, device=p.device), 0.0)  # [V]
     # The running mass is exact to ~1e-7, so only a (numerically) empty one needs the exact check.
-    return None, residual if mass > 1e-6 else _or_fallback(residual, p)
+    return None, residual if mass > 1e-6 else _or_fallback(residual, p), rejected_nodes
 
 
 def _try_sampled(
     p: torch.Tensor, kids: list[int], tokens: list[int], q_at_nodes: list[float], coins: list[float],
     draft_probs: torch.Tensor,
-) -> tuple[int | None, torch.Tensor]:
-    # Leviathan/SpecInfer rule at one node; returns (accepted child or None, distribution for the bonus).
+) -> tuple[int | None, torch.Tensor, list[int]]:
+    # Leviathan/SpecInfer rule at one node; returns (accepted child or None, distribution for the bonus,
+    # rejected children).
     target_p = p
+    rejected: list[int] = []
     for child in kids:
         # u < p/q written without division: a q(x) = 0 draw (impossible in exact arithmetic) is then
         # accepted iff p(x) > 0 instead of producing NaN.
         if coins[child] * q_at_nodes[child] < float(p[tokens[child]]):
-            return child, p
+            return child, p, rejected
+        rejected.append(child)
         residual = (p - draft_probs[child]).clamp_min_(0.0)  # [V]
         p = _or_fallback(residual, target_p, normalise=True)  # [V]
-    return None, p
+    return None, p, rejected
 
 
 def _or_fallback(residual: torch.Tensor, target_p: torch.Tensor, *, normalise: bool = False) -> torch.Tensor:
@@ -163,7 +178,7 @@ def verify(
             wanted = greedy[node]
             match = next((c for c in children[node] if tokens[c] == wanted), None)
             if match is None:
-                return VerifyResult(path, wanted)
+                return VerifyResult(path, wanted, list(children[node]))
             path.append(match)
             node = match
 
@@ -185,13 +200,13 @@ def verify(
         p = logits_to_probs(target_logits[node], temperature, top_k, top_p)  # [V]
         kids = children[node]
         if not kids:
-            accepted = None
+            accepted, rejected = None, []
         elif sampled:
-            accepted, p = _try_sampled(p, kids, tokens, q_at_nodes, coins, draft_probs)
+            accepted, p, rejected = _try_sampled(p, kids, tokens, q_at_nodes, coins, draft_probs)
         else:
-            accepted, p = _try_deterministic(p, kids, tokens, token_ids, coins)
+            accepted, p, rejected = _try_deterministic(p, kids, tokens, token_ids, coins)
         if accepted is None:
             # multinomial normalises, so the unnormalised deterministic residual is sampled as is.
-            return VerifyResult(path, int(sample(p, generator)))
+            return VerifyResult(path, int(sample(p, generator)), rejected)
         path.append(accepted)
         node = accepted

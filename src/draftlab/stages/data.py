@@ -24,6 +24,17 @@ from draftlab.utils.logging import get_logger
 log = get_logger(__name__)
 
 
+# Target settings that only say which hidden states a forward captures: they change no token the target
+# produces, so neither regenerated data nor a training key depends on them (methods choose their taps).
+_CAPTURE_KEYS = ("aux_layer_ids", "layer_convention")
+
+
+def target_identity(cfg: DictConfig) -> dict:
+    """The target config minus capture settings: what decides the tokens the target produces."""
+    ident = OmegaConf.to_container(cfg.target, resolve=True)
+    return {k: v for k, v in ident.items() if k not in _CAPTURE_KEYS}
+
+
 @dataclass
 class DataStageResult:
     target: object
@@ -53,7 +64,8 @@ def run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
     require_chat_template(target.tokenizer)
     spec = instantiate(cfg.data, _convert_="object")
     convs, _ = spec.load()
-    target_id = OmegaConf.to_container(cfg.target, resolve=True)
+    # Capture settings (which layers a forward taps) change no generated token: not part of the key.
+    target_id = target_identity(cfg)
     data_key = content_key(spec.fingerprint())
     regen_report, regen_path = None, None
     if cfg.regen.enabled:
@@ -73,14 +85,15 @@ def run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
                                                   truncation=spec.truncation)
     log.info("%s", render_report)
     vocab = None
-    if cfg.get("vocab") and cfg.vocab.draft_vocab_size:
+    draft_vocab_size = cfg.method.get("draft_vocab_size") if cfg.get("method") else None
+    if draft_vocab_size:
         vkey = vocab_mapping_cache_key(data_key, target.tokenizer.chat_template, getattr(target, "name", ""),
-                                       spec.max_length, cfg.vocab.draft_vocab_size)
+                                       spec.max_length, draft_vocab_size)
         vocab = load_or_build_vocab_mapping(lambda: samples, cache_dir=cfg.paths.artifacts, key=vkey,
                                             vocab_size=target.geometry.vocab_size,
-                                            draft_vocab_size=cfg.vocab.draft_vocab_size)
+                                            draft_vocab_size=draft_vocab_size)
         log.info("draft vocabulary: %d of %d tokens cover %.2f%% of assistant tokens",
-                 cfg.vocab.draft_vocab_size, target.geometry.vocab_size, 100 * vocab.coverage)
+                 draft_vocab_size, target.geometry.vocab_size, 100 * vocab.coverage)
     result = DataStageResult(target, samples, render_report, regen_report, vocab, data_key, regen_path)
     log.info("data stage done in %.1f s", time.perf_counter() - t0)
     return result

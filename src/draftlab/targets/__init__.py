@@ -5,6 +5,7 @@ from __future__ import annotations
 from draftlab.targets.base import (
     Geometry,
     LayerConvention,
+    LayerOutput,
     Target,
     TargetOutput,
     default_aux_layer_ids,
@@ -39,5 +40,5 @@ def load_target(source: str, *, backend: str = "hf", dtype: str = "float32", dev
     return HFTarget.from_pretrained(source, dtype=dtype, device=device, **common, **kwargs)
 
 
-__all__ = ["Geometry", "HFTarget", "LayerConvention", "Target", "TargetOutput", "default_aux_layer_ids",
+__all__ = ["Geometry", "HFTarget", "LayerConvention", "LayerOutput", "Target", "TargetOutput", "default_aux_layer_ids",
            "load_target", "to_convention", "to_hf_hidden_index"]

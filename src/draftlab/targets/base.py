@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:  # the cache lives with the decoding loop, which imports targets
+    from draftlab.decoding.cache import KVCache, SparseView
 
 
 class LayerConvention(str, Enum):
@@ -66,18 +69,79 @@ class TargetOutput:
     last_hidden: torch.Tensor | None = None  # [B, T, d] after the final norm
 
 
+@dataclass
+class LayerOutput:
+    """What ``Target.forward_layers`` returns."""
+
+    hidden: torch.Tensor  # [B, T, d] residual stream after the last layer run (before the final norm)
+    aux: torch.Tensor | None  # [B, T, n_aux * d] hidden states of the requested layers, in the requested order
+
+
 @runtime_checkable
 class Target(Protocol):
-    """What methods and the decoding engine may use of a target model."""
+    """Everything methods and the decoding engine may use of a target model.
+
+    Layer ids (``aux_layer_ids``, ``check_layer_ids``, ``forward_layers(aux_layer_ids=...)``) are in
+    ``layer_convention``; layer *ranges* (``forward_layers(start, end)``) index decoder layers 0..L-1.
+    """
 
     geometry: Geometry
     tokenizer: object
-    aux_layer_ids: list[int]
+    name: str
     layer_convention: LayerConvention
+    aux_layer_ids: list[int]  # default taps, for callers that do not name their own
     eos_token_ids: list[int]
 
-    def new_cache(self, batch_size: int, max_length: int): ...
+    @property
+    def device(self) -> torch.device: ...
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache=None,
-                attn_mask: torch.Tensor | None = None, *, return_aux: bool = False,
-                logits_rows: torch.Tensor | None = None) -> TargetOutput: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The frozen HF model (weights shared with the forward; for HF ``generate`` and weight tying)."""
+        ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache: ...
+
+    def check_layer_ids(self, ids) -> list[int]:
+        """``ids`` as ints, or ``ValueError`` if one is not a layer (in ``layer_convention``)."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+                cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *, return_aux: bool = False,
+                return_last_hidden: bool = False, logits_rows: torch.Tensor | None = None,
+                input_embeds: torch.Tensor | None = None, aux_layer_ids: list[int] | None = None) -> TargetOutput:
+        """T new rows (ids [B, T] or ``input_embeds [B, T, d]``) through the whole model, writing scratch KV."""
+        ...
+
+    def forward_with_grad(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                          cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *,
+                          return_aux: bool = False, return_last_hidden: bool = False,
+                          logits_rows: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None,
+                          aux_layer_ids: list[int] | None = None) -> TargetOutput:
+        """``forward`` under the caller's grad mode, reading the cache only (differentiable w.r.t. embeds)."""
+        ...
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [B, T] -> [B, T, d]``."""
+        ...
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The norm before the LM head, ``[..., d] -> [..., d]``."""
+        ...
+
+    def lm_head(self, h: torch.Tensor, *, norm: bool = True) -> torch.Tensor:
+        """``h [B, T, d] -> logits [B, T, V]``; ``norm`` applies ``final_norm`` first."""
+        ...
+
+    def forward_layers(self, hidden: torch.Tensor, start: int, end: int, *, position_ids: torch.Tensor | None = None,
+                       cache: KVCache | None = None, attn_mask: torch.Tensor | None = None,
+                       slots: torch.Tensor | list[int] | None = None, view: SparseView | None = None,
+                       aux_layer_ids: list[int] | None = None) -> LayerOutput:
+        """Decoder layers ``[start, end)`` on ``hidden [B, T, d]``, K/V of just those layers at ``slots``."""
+        ...

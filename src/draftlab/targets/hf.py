@@ -7,17 +7,22 @@ capture — is a short re-statement of the decoder stack that calls the HF model
 projections, MLP, rotary embedding), so it shares every weight and numeric detail with HF and only
 replaces the cache/mask plumbing. It covers the Llama family (llama, mistral, qwen2, qwen3); other
 architectures load but raise a clear error when this forward is asked of them.
+
+The decoder layer is stated once (``_decoder_layer``). ``forward`` is embed -> layers [0, L) -> norm / LM
+head; ``forward_layers`` runs any range [a, b) with K/V at explicit cache slots and an optional sparse read
+view, for self-speculative drafters that run the target's own layers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from draftlab.decoding.cache import KVCache
-from draftlab.targets.base import Geometry, LayerConvention, TargetOutput, default_aux_layer_ids
+from draftlab.decoding.cache import KVCache, SparseView
+from draftlab.targets.base import Geometry, LayerConvention, LayerOutput, TargetOutput, default_aux_layer_ids
 from draftlab.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -40,7 +45,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
                       scale: float) -> torch.Tensor:
     """Attention for a few query rows against a long cache, heads grouped onto their shared KV head.
 
-    q [B, H, T, hd], k/v [B, Hkv, S, hd], mask bool [B|1, 1, T, S] or None -> [B, H, T, hd].
+    q [B, H, T, hd], k/v [B, Hkv, S, hd], mask bool [B|1, 1|Hkv, T, S] or None -> [B, H, T, hd] (a per-KV-head
+    mask is what a sparse read view needs: each head reads its own slots).
     On CPU, PyTorch's fused SDPA kernel costs milliseconds per call for T=1 (it is built for long
     queries); two small matmuls cost microseconds. Used for decode steps and verify passes.
     """
@@ -50,7 +56,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     qg = q.reshape(B, Hkv, G * T, hd)  # heads h = kv * G + g share KV head kv
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).view(B, Hkv, G, T, S)  # [B, Hkv, G, T, S]
     if mask is not None:
-        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))  # mask [B|1, 1, 1, T, S]
+        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))  # mask [B|1, 1|Hkv, 1, T, S]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(B, Hkv, G * T, S)
     return torch.matmul(probs, v).view(B, H, T, hd)
 
@@ -86,6 +92,10 @@ class HFTarget:
         self._check_aux_ids()
         self.eos_token_ids = self._eos_ids()
         self._layers = self._fuse_weights() if self.geometry.model_type in SUPPORTED_MODEL_TYPES else None
+        # Module handles resolved once: ``get_input_embeddings()`` costs ~10 us a call, a visible share of a
+        # small model's decode step.
+        self._embed_tokens = model.get_input_embeddings()
+        self._norm = getattr(getattr(model, "model", None), "norm", None)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin tables [P, hd]
         # For a single row, MKL's x @ W^T is about twice as fast with W^T stored contiguously (measured on
         # the 49k x 576 LM head: 7.8 vs 14.2 ms), and the LM head is ~20% of a decode step's bytes. Worth
@@ -171,12 +181,17 @@ class HFTarget:
         return ids
 
     def _check_aux_ids(self) -> None:
+        self.check_layer_ids(self.aux_layer_ids)
+
+    def check_layer_ids(self, ids) -> list[int]:
+        """``ids`` as a list of ints, or ``ValueError`` when one is not a layer of this target."""
         L = self.geometry.num_layers
-        lo, hi = 0, L - 1
-        bad = [i for i in self.aux_layer_ids if not lo <= i <= hi]
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i <= L - 1]
         if bad:
-            raise ValueError(f"aux layer ids {bad} out of range [{lo}, {hi}] for a {L}-layer target "
+            raise ValueError(f"aux layer ids {bad} out of range [0, {L - 1}] for a {L}-layer target "
                              f"under the '{self.layer_convention.value}' convention")
+        return ids
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         g = self.geometry
@@ -197,7 +212,8 @@ class HFTarget:
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *,
                 return_aux: bool = False, return_last_hidden: bool = False,
-                logits_rows: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None) -> TargetOutput:
+                logits_rows: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None,
+                aux_layer_ids: list[int] | None = None) -> TargetOutput:
         """Run the target on T new rows.
 
         input_ids    [B, T]; or ``input_embeds [B, T, d]`` for rows that are not vocabulary tokens.
@@ -206,15 +222,18 @@ class HFTarget:
                      ``cache.commit*`` decides what stays. Without a cache the rows attend only to each other.
         attn_mask    bool [B, T, S] or [T, S] with S = past + T (True = may attend); default causal.
         logits_rows  optional [R] indices of rows whose logits are needed (saves the LM head elsewhere).
+        aux_layer_ids  the layers to capture when ``return_aux`` (in ``self.layer_convention``); default
+                     ``self.aux_layer_ids``. Methods pass the layers they tap, so taps are a method setting.
         """
         return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
-                                logits_rows, input_embeds, write_cache=True)
+                                logits_rows, input_embeds, write_cache=True, aux_layer_ids=aux_layer_ids)
 
     def forward_with_grad(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                           cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *,
                           return_aux: bool = False, return_last_hidden: bool = False,
                           logits_rows: torch.Tensor | None = None,
-                          input_embeds: torch.Tensor | None = None) -> TargetOutput:
+                          input_embeds: torch.Tensor | None = None,
+                          aux_layer_ids: list[int] | None = None) -> TargetOutput:
         """``forward`` under the caller's grad mode, differentiable w.r.t. ``input_embeds`` (the weights stay frozen).
 
         The cache is only read: the new rows attend to its committed slots ``[0, cache.length)`` (as stored,
@@ -223,7 +242,70 @@ class HFTarget:
         saved tensors, so the keys of each layer are concatenated instead.
         """
         return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
-                                logits_rows, input_embeds, write_cache=False)
+                                logits_rows, input_embeds, write_cache=False, aux_layer_ids=aux_layer_ids)
+
+    # ------------------------------------------------------------------------------------------------
+    # pieces of the forward, for drafters that run the target's own layers
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``ids [B, T] -> [B, T, d]`` (under the caller's grad mode)."""
+        return self._embed_tokens(ids)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm applied before the LM head, ``[..., d] -> [..., d]``."""
+        if self._norm is None:
+            self._decoder()  # explains which architectures are supported
+        return self._norm(h)
+
+    def lm_head(self, h: torch.Tensor, *, norm: bool = True) -> torch.Tensor:
+        """Logits of hidden states ``h [B, T, d]`` -> ``[B, T, V]``; ``norm`` applies the final norm first.
+
+        ``h`` is the raw residual stream (``forward_layers`` output) when ``norm`` is True, an already
+        normalised state otherwise. Under the caller's grad mode; under ``no_grad`` (as drafters run) it takes
+        the same CPU fast paths as ``forward`` and is bit-identical to its head, with grad it is plain F.linear.
+        """
+        if norm:
+            h = self.final_norm(h)
+        if self._lm_head_t is not None and h.numel() == h.shape[-1]:
+            return h @ self._lm_head_t  # [1, 1, V]
+        head = self.model.lm_head
+        return _linear(h, head.weight, head.bias)  # [B, T, V]
+
+    @torch.no_grad()
+    def forward_layers(self, hidden: torch.Tensor, start: int, end: int, *, position_ids: torch.Tensor | None = None,
+                       cache: KVCache | None = None, attn_mask: torch.Tensor | None = None,
+                       slots: torch.Tensor | list[int] | None = None, view: SparseView | None = None,
+                       aux_layer_ids: list[int] | None = None) -> LayerOutput:
+        """Run decoder layers ``[start, end)`` on hidden states ``hidden [B, T, d]`` (the residual stream).
+
+        ``forward`` is ``embed`` -> ``forward_layers(0, L)`` -> ``lm_head``; composing ranges reproduces it.
+        position_ids [T] or [B, T]; default: the rows' slots.
+        cache        the rows' K/V are written to layers ``[start, end)`` only, at ``slots [T]`` (distinct;
+                     default ``cache.length + arange(T)``, the scratch slots). Lengths do not change: keep
+                     rows with ``cache.commit*`` / ``cache.commit_layers``. Without a cache the rows attend
+                     only to each other.
+        attn_mask    bool [B, T, S] or [T, S] over cache slots ``[0, S)``, S = max slot + 1 (True = may attend).
+                     Default: each layer's committed rows ``[0, layer_length)`` plus the rows, causally.
+        view         a ``SparseView``: at its layers each KV head reads only its listed slots plus the rows
+                     themselves (``attn_mask`` still applies at the listed slots).
+        aux_layer_ids  layers in ``[start, end)`` (``self.layer_convention``) whose hidden states to return
+                     as ``aux [B, T, n * d]``; default none.
+        """
+        self._decoder()
+        L = self.geometry.num_layers
+        if not 0 <= start <= end <= L:
+            raise ValueError(f"layer range [{start}, {end}) is not inside [0, {L}]")
+        if view is not None and cache is None:
+            raise ValueError("a sparse view reads a cache: pass cache=")
+        taps = self.check_layer_ids(aux_layer_ids) if aux_layer_ids is not None else []
+        outside = [i for i in taps if not start <= i < end]
+        if outside:
+            raise ValueError(f"aux layer ids {outside} are not computed by layers [{start}, {end})")
+        x = hidden.to(self.dtype)  # [B, T, d]
+        r = _prepare(self, x, position_ids, cache, attn_mask, slots, True)
+        x, captured = _run_layers(self, x, start, end, r, cache, view, taps)
+        aux = torch.cat([captured[i] for i in taps], dim=-1) if taps else None  # [B, T, n * d]
+        return LayerOutput(hidden=x, aux=aux)
 
     __call__ = forward
 
@@ -246,78 +328,184 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return y.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
-                     logits_rows, input_embeds, *, write_cache: bool) -> TargetOutput:
-    # The body of ``HFTarget.forward`` / ``forward_with_grad``: identical arithmetic, only the cache
-    # handling differs (scratch write vs read-only concatenation).
-    m = target._decoder()
-    x = m.embed_tokens(input_ids) if input_embeds is None else input_embeds.to(target.dtype)  # [B, T, d]
+@dataclass
+class _Rows:
+    """What every layer of one pass shares: the rows' rotary tables, cache slots and attention mask."""
+
+    cos: torch.Tensor  # [B, 1, T, hd]
+    sin: torch.Tensor  # [B, 1, T, hd]
+    past: int  # first slot of the rows when they are contiguous (``slots is None``)
+    slots: torch.Tensor | None  # [T] explicit cache slots of the rows
+    S: int  # the rows attend to cache slots [0, S)
+    mask: torch.Tensor | None  # bool [B|1, 1, T, S]; None: all of [0, S) (a single decode row)
+    write: bool  # write K/V into the cache (forward) or only read it (forward_with_grad)
+    # Default mask on a cache whose layers have different lengths: one mask per committed length.
+    layer_masks: dict[int, torch.Tensor] | None = None
+
+    def row_slots(self, device: torch.device) -> torch.Tensor:
+        T = self.cos.shape[2]
+        return self.slots if self.slots is not None else torch.arange(self.past, self.past + T, device=device)
+
+
+def _default_mask(T: int, S: int, committed: int, slots: torch.Tensor) -> torch.Tensor:
+    """Causal over committed + own rows: row t sees slots [0, committed) and the rows 0..t at ``slots [T]``."""
+    m = torch.zeros(T, S, dtype=torch.bool, device=slots.device)  # [T, S]
+    m[:, :committed] = True
+    # Own slots below ``committed`` are rows of this pass, not context: causal among the rows only.
+    m[:, slots] = torch.ones(T, T, dtype=torch.bool, device=slots.device).tril()
+    return m.view(1, 1, T, S)
+
+
+def _prepare(target: HFTarget, x: torch.Tensor, position_ids, cache: KVCache | None, attn_mask, slots,
+             write: bool) -> _Rows:
     B, T, _ = x.shape
+    dev = x.device
     if cache is None:
-        past = 0
+        if slots is not None:
+            raise ValueError("explicit slots need a cache")
+        past, S = 0, T
+    elif slots is None:
+        past = cache.reserve(T) if write else cache.length
+        S = past + T
     else:
-        past = cache.reserve(T) if write_cache else cache.length
-    S = past + T
+        slots = torch.as_tensor(slots, dtype=torch.long, device=dev)
+        if slots.shape != (T,):
+            raise ValueError(f"slots must be [{T}] (one per row), got {tuple(slots.shape)}")
+        cache.check_slots(slots)
+        past, S = cache.length, int(slots.max()) + 1
     if position_ids is None:
-        position_ids = torch.arange(past, S, device=x.device)
+        position_ids = slots if slots is not None else torch.arange(past, S, device=dev)
     if position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0).expand(B, T)
     cos_t, sin_t = target._rope_tables(int(position_ids.max()) + 1, x)
     cos, sin = cos_t[position_ids].unsqueeze(1), sin_t[position_ids].unsqueeze(1)  # [B, 1, T, hd]
 
-    if attn_mask is None:
-        # Plain causal over the new rows; a single row needs no mask at all.
-        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(past)
-    else:
+    layer_masks = None
+    if attn_mask is not None:
         if attn_mask.shape[-2:] != (T, S):
-            raise ValueError(f"attn_mask must be [.., {T}, {S}] (new rows x (past + new)), got {tuple(attn_mask.shape)}")
-        mask = attn_mask
-    if mask is not None:
-        mask = mask.view(-1, 1, T, S)  # [B|1, 1, T, S]
+            what = "new rows x (past + new)" if slots is None else "new rows x (max slot + 1)"
+            raise ValueError(f"attn_mask must be [.., {T}, {S}] ({what}), got {tuple(attn_mask.shape)}")
+        mask = attn_mask.view(-1, 1, T, S)  # [B|1, 1, T, S]
+    elif slots is None and not (write and cache is not None and cache.ragged):
+        # Plain causal over the new rows; a single row needs no mask at all.
+        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=dev).tril(past).view(1, 1, T, S)
+    else:
+        mask, layer_masks = None, {}  # depends on each layer's committed length: built on first use
+    return _Rows(cos, sin, past, slots, S, mask, write, layer_masks)
 
+
+def _layer_mask(r: _Rows, cache: KVCache, li: int) -> torch.Tensor:
+    # Rows a layer holds beyond ``S`` (later provisional rows) are never visible to this pass.
+    c = min(cache.layer_length(li), r.S)
+    m = r.layer_masks.get(c)
+    if m is None:
+        m = r.layer_masks[c] = _default_mask(r.cos.shape[2], r.S, c, r.row_slots(r.cos.device))
+    return m
+
+
+def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: _Rows, cache: KVCache | None,
+                   idx: torch.Tensor | None) -> torch.Tensor:
+    """One decoder layer on rows ``x [B, T, d]``: the only statement of the layer (forward, forward_layers)."""
+    w = target._layers[li]
     g = target.geometry
     H, Hkv, hd, d = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size
-    want_aux = return_aux and bool(target.aux_layer_ids)
-    capture_in = set(target.aux_layer_ids) if target.layer_convention is LayerConvention.INPUT_TO else set()
-    capture_out = set(target.aux_layer_ids) if target.layer_convention is LayerConvention.OUTPUT_OF else set()
-    captured: dict[int, torch.Tensor] = {}
-    for li, w in enumerate(target._layers):
-        if want_aux and li in capture_in:
-            captured[li] = x
-        h = F.rms_norm(x, (d,), w["ln1"], w["eps1"])
-        q, k, v = _linear(h, w["wqkv"], w["bqkv"]).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
-        q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
-        k = k.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-        v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-        if w["q_norm"] is not None:  # qwen3 normalises q/k per head before RoPE
-            q, k = w["q_norm"](q), w["k_norm"](k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        if cache is not None and write_cache:
-            k, v = cache.write(li, past, k, v)  # [B, Hkv, S, hd]
-        elif cache is not None:
-            k = torch.cat([cache.k[li, :, :, :past], k], dim=2)  # [B, Hkv, S, hd]
-            v = torch.cat([cache.v[li, :, :, :past], v], dim=2)  # [B, Hkv, S, hd]
-        if T <= _GROUPED_ATTENTION_MAX_ROWS:
-            o = grouped_attention(q, k, v, mask, w["scaling"])  # [B, H, T, hd]
+    B, T, _ = x.shape
+    h = F.rms_norm(x, (d,), w["ln1"], w["eps1"])
+    q, k, v = _linear(h, w["wqkv"], w["bqkv"]).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+    q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
+    k = k.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+    v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+    if w["q_norm"] is not None:  # qwen3 normalises q/k per head before RoPE
+        q, k = w["q_norm"](q), w["k_norm"](k)
+    q = q * r.cos + _rotate_half(q) * r.sin
+    k = k * r.cos + _rotate_half(k) * r.sin
+    mask = r.mask if r.layer_masks is None else _layer_mask(r, cache, li)  # [B|1, 1, T, S] or None
+    if idx is not None:
+        k, v, mask = _sparse_keys(cache, li, r, k, v, mask, idx)  # [B, Hkv, K + T, hd], mask [B|1, Hkv, T, K + T]
+    elif cache is not None and r.write:
+        if r.slots is None:
+            k, v = cache.write(li, r.past, k, v)  # [B, Hkv, S, hd]
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w["scaling"], enable_gqa=Hkv != H)
-        x = x + _linear(o.transpose(1, 2).reshape(B, T, H * hd), w["wo"], w["bo"])
-        gate, up = _linear(F.rms_norm(x, (d,), w["ln2"], w["eps2"]), w["wgu"]).chunk(2, dim=-1)
-        x = x + _linear(w["act"](gate) * up, w["wd"])
-        if want_aux and li in capture_out:
+            cache.write_at(li, r.slots, k, v)
+            k, v = cache.k[li, :, :, :r.S], cache.v[li, :, :, :r.S]  # [B, Hkv, S, hd]
+    elif cache is not None:
+        k = torch.cat([cache.k[li, :, :, :r.past], k], dim=2)  # [B, Hkv, S, hd]
+        v = torch.cat([cache.v[li, :, :, :r.past], v], dim=2)  # [B, Hkv, S, hd]
+    if T <= _GROUPED_ATTENTION_MAX_ROWS:
+        o = grouped_attention(q, k, v, mask, w["scaling"])  # [B, H, T, hd]
+    else:
+        if mask is not None and mask.shape[1] != 1 and Hkv != H:
+            mask = mask.repeat_interleave(H // Hkv, dim=1)  # per-KV-head view mask -> [B|1, H, T, K + T]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w["scaling"], enable_gqa=Hkv != H)
+    x = x + _linear(o.transpose(1, 2).reshape(B, T, H * hd), w["wo"], w["bo"])
+    gate, up = _linear(F.rms_norm(x, (d,), w["ln2"], w["eps2"]), w["wgu"]).chunk(2, dim=-1)
+    return x + _linear(w["act"](gate) * up, w["wd"])
+
+
+def _sparse_keys(cache: KVCache, li: int, r: _Rows, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 idx: torch.Tensor):
+    """Keys/values of a sparse read: the view's slots of each KV head, then the rows' own K/V.
+
+    k/v [B, Hkv, T, hd] (the rows, after RoPE); idx [Hkv, K]. The rows' own slots are read from ``k/v``
+    rather than the cache, so the same code serves the read-only (grad) pass.
+    """
+    T = k.shape[2]
+    own_slots = r.row_slots(k.device)  # [T]
+    if r.write:
+        if r.slots is None:
+            cache.write(li, r.past, k, v)
+        else:
+            cache.write_at(li, r.slots, k, v)
+        readable = r.S
+    else:
+        readable = r.past  # the grad pass sees only committed slots
+    if idx.numel() and int(idx.max()) >= readable:
+        raise ValueError(f"sparse view of layer {li} reads slot {int(idx.max())}, beyond the {readable} readable")
+    idx = idx.to(k.device)
+    ks = SparseView.gather(idx, cache.k[li, :, :, :readable])  # [B, Hkv, K, hd]
+    vs = SparseView.gather(idx, cache.v[li, :, :, :readable])  # [B, Hkv, K, hd]
+    if mask is None:
+        mask = torch.ones(1, 1, T, r.S, dtype=torch.bool, device=k.device)  # [1, 1, T, S]
+    own = torch.zeros(r.S, dtype=torch.bool, device=k.device)  # [S]
+    own[own_slots] = True
+    m_view = SparseView.gather_mask(idx, mask, own)  # [B|1, Hkv, T, K]
+    m_rows = mask[..., own_slots].expand(-1, idx.shape[0], -1, -1)  # [B|1, Hkv, T, T]
+    return (torch.cat([ks, k], dim=2), torch.cat([vs, v], dim=2),  # [B, Hkv, K + T, hd]
+            torch.cat([m_view, m_rows], dim=-1))  # [B|1, Hkv, T, K + T]
+
+
+def _run_layers(target: HFTarget, x: torch.Tensor, start: int, end: int, r: _Rows, cache: KVCache | None,
+                view: SparseView | None, taps) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Layers [start, end) on ``x [B, T, d]``; captures the hidden states ``taps`` name (layer convention)."""
+    capture_in = set(taps) if target.layer_convention is LayerConvention.INPUT_TO else set()
+    capture_out = set(taps) if target.layer_convention is LayerConvention.OUTPUT_OF else set()
+    captured: dict[int, torch.Tensor] = {}
+    for li in range(start, end):
+        if li in capture_in:
             captured[li] = x
-    aux = torch.cat([captured[i] for i in target.aux_layer_ids], dim=-1) if want_aux else None  # [B, T, 3d]
+        x = _decoder_layer(target, li, x, r, cache, None if view is None else view.layer(li))
+        if li in capture_out:
+            captured[li] = x
+    return x, captured
+
+
+def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
+                     logits_rows, input_embeds, *, write_cache: bool,
+                     aux_layer_ids: list[int] | None = None) -> TargetOutput:
+    # The body of ``HFTarget.forward`` / ``forward_with_grad``: embed -> layers [0, L) -> norm / LM head, the
+    # same layer code as ``forward_layers``; only the cache handling differs (scratch write vs read-only).
+    target._decoder()
+    x = target.embed(input_ids) if input_embeds is None else input_embeds.to(target.dtype)  # [B, T, d]
+    r = _prepare(target, x, position_ids, cache, attn_mask, None, write_cache)
+    taps = target.check_layer_ids(aux_layer_ids) if aux_layer_ids is not None else target.aux_layer_ids
+    want_aux = return_aux and bool(taps)
+    x, captured = _run_layers(target, x, 0, target.geometry.num_layers, r, cache, None, taps if want_aux else ())
+    aux = torch.cat([captured[i] for i in taps], dim=-1) if want_aux else None  # [B, T, n_taps * d]
     # The final hidden state of every row when asked for (offline features), independent of which
     # rows need logits (an empty ``logits_rows`` skips the LM head entirely).
-    last = m.norm(x) if return_last_hidden else None  # [B, T, d]
+    last = target.final_norm(x) if return_last_hidden else None  # [B, T, d]
     if logits_rows is None:
-        hidden = last if last is not None else m.norm(x)  # [B, T, d]
+        hidden = last if last is not None else target.final_norm(x)  # [B, T, d]
     else:
-        hidden = last[:, logits_rows] if last is not None else m.norm(x[:, logits_rows])  # [B, R, d]
-    if target._lm_head_t is not None and hidden.shape[0] * hidden.shape[1] == 1:
-        logits = hidden @ target._lm_head_t  # [1, 1, V]
-    else:
-        head = target.model.lm_head
-        logits = _linear(hidden, head.weight, head.bias)  # [B, T|R, V]
-    return TargetOutput(logits=logits, aux_hidden=aux, last_hidden=last)
+        hidden = last[:, logits_rows] if last is not None else target.final_norm(x[:, logits_rows])  # [B, R, d]
+    return TargetOutput(logits=target.lm_head(hidden, norm=False), aux_hidden=aux, last_hidden=last)

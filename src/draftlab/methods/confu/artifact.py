@@ -45,3 +45,26 @@ def load_confu(path: str | Path, *, target) -> ConFuDraft:
         raise ValueError(f"{path}/model.safetensors does not match the config: missing {missing}, unexpected {unexpected}")
     draft.load_target_embedding(target)
     return draft
+
+
+# ---- registry entries (conf/method/confu.yaml) -------------------------------------------------------
+
+
+def build_draft(*, target, vocab=None, taps: list[int] | None = None, **fields) -> ConFuDraft:
+    """The registry's ``draft`` builder: ``model.build_confu_draft`` with the method's taps."""
+    from draftlab.methods.confu.model import build_confu_draft
+    from draftlab.targets.base import default_aux_layer_ids
+
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if fields.get("init_from") is None:
+        fields["aux_layer_ids"] = list(taps) if taps is not None else default_aux_layer_ids(
+            target.geometry.num_layers, target.layer_convention)
+    return build_confu_draft(target, vocab_mapping=vocab, **fields)
+
+
+def save_artifact(draft: ConFuDraft, out_dir: str | Path, *, target) -> Path:
+    return save_confu(draft, out_dir)
+
+
+def load_artifact(path: str | Path, *, target) -> ConFuDraft:
+    return load_confu(path, target=target)

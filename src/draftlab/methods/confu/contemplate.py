@@ -46,14 +46,15 @@ def verify_extra_rows(soft_prompts: torch.Tensor, con_embed: torch.Tensor, paren
 
 
 def contemplate(target, cache, soft_prompts: torch.Tensor, con_embed: torch.Tensor,
-                anchors: torch.Tensor) -> torch.Tensor:
+                anchors: torch.Tensor, *, aux_layer_ids: list[int] | None = None) -> torch.Tensor:
     """Tapped target states ``[B, K, 3*d_t]`` of contemplate rows attached to committed positions.
 
     cache       the target cache holding the sequences' committed keys/values (read, never written).
     soft_prompts [s, d_t]; con_embed [B, K, d_t]; anchors [B, K] target positions (-1 = unused slot).
     Runs ``s + K`` rows per sequence through ``target.forward_with_grad``: under grad mode, gradients
     reach ``soft_prompts`` and ``con_embed`` (through the frozen target) and nothing else, since the
-    cached prefix is constant. Contemplate rows do not see each other.
+    cached prefix is constant. Contemplate rows do not see each other. ``aux_layer_ids``: the taps to
+    read (target's convention; the draft's ``tapped_layers``); None = the target's default taps.
     """
     B, K = anchors.shape
     s, T = soft_prompts.shape[0], cache.length
@@ -67,6 +68,6 @@ def contemplate(target, cache, soft_prompts: torch.Tensor, con_embed: torch.Tens
     mask[:, s:, T + s:] = torch.eye(K, dtype=torch.bool, device=dev)
     positions = torch.cat([torch.arange(s, device=dev).expand(B, s), a + 1], dim=1)  # [B, R]
     embeds = torch.cat([soft_prompts.expand(B, -1, -1).to(con_embed), con_embed], dim=1)  # [B, R, d_t]
-    out = target.forward_with_grad(None, positions, cache, mask, return_aux=True,
+    out = target.forward_with_grad(None, positions, cache, mask, return_aux=True, aux_layer_ids=aux_layer_ids,
                                    logits_rows=torch.arange(0, device=dev), input_embeds=embeds)
     return out.aux_hidden[:, s:]  # [B, K, 3*d_t]

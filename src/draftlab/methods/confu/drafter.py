@@ -8,7 +8,7 @@ Per round (``Eagle3Drafter`` does the tree; this class adds the future):
    context; each round brings its own.
 2. ``extra_rows``: the soft prompts and one contemplate row per tree node join the verify pass
    (``contemplate.verify_extra_rows``); they never enter the target cache.
-3. ``update``: the contemplate row of the last accepted node gives ``f`` and, with ``e_f`` from the
+3. ``update``: the contemplate row of the last accepted node (``out.extra.aux``) gives ``f`` and, with ``e_f`` from the
    anchor's features, the next future token. The accepted rows are then appended as in EAGLE-3, each
    seeing the future of its own window (``model.future_visibility``): the new anchor row sees the new
    future, the rows before it the previous one while they are within its window. For that pass both
@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.decoding.drafter import DecodeState, ExtraRows
+from draftlab.decoding.drafter import DecodeState, ExtraRows, VerifyOutput
 from draftlab.decoding.tree import DraftTree
-from draftlab.decoding.verify import VerifyResult
 from draftlab.methods.confu.contemplate import contemplate, verify_extra_rows
 from draftlab.methods.confu.model import ConFuDraft
 from draftlab.methods.eagle3.drafter import Eagle3Drafter
@@ -36,8 +35,7 @@ class ConFuDrafter(Eagle3Drafter):
     """Proposes EAGLE-2 dynamic trees with a :class:`ConFuDraft` and adds contemplate rows to verify passes.
 
     ``top_k`` / ``depth`` / ``total_tokens`` as for ``Eagle3Drafter``. A verify pass has
-    ``2 * (total_tokens + 1) + num_soft_prompts`` rows (``verify_rows``): size the engine's
-    ``GenerationConfig.max_tree_rows`` for that.
+    ``2 * (total_tokens + 1) + num_soft_prompts`` rows (``verify_rows``, which the engine reserves).
     """
 
     def __init__(self, draft: ConFuDraft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60):
@@ -51,8 +49,7 @@ class ConFuDrafter(Eagle3Drafter):
         self._future_slot: int | None = None  # draft-cache slot of the future while a tree grows
         self.anchors: list[tuple[int, int]] = []  # (anchor, lag of its [con] key) per round, for inspection
 
-    @property
-    def verify_rows(self) -> int:
+    def verify_rows(self, cfg) -> int:
         """Rows of the largest verify pass: tree nodes + their contemplate rows + soft prompts."""
         return 2 * (self.total_tokens + 1) + self.draft.config.num_soft_prompts
 
@@ -118,12 +115,14 @@ class ConFuDrafter(Eagle3Drafter):
         self.check_compatible(state.target)
         aux = state.accepted_aux
         if aux is None:
-            raise ValueError("ConFuDrafter needs the target's aux hidden states (engine with needs_aux)")
+            raise ValueError("ConFuDrafter needs the target's aux hidden states (the engine captures "
+                             "aux_layers(target))")
         p = aux.shape[0]
         lag = 1 if p >= 2 else 0
         con = self.draft.contemplate_embedding(aux[p - 1 - lag].to(self.draft.fc.weight.device))  # [d_t]
         con_aux = contemplate(state.target, state.cache, self.draft.soft_prompts, con[None, None],
-                              torch.tensor([[p - 1]], device=con.device))[0, 0]  # [3*d_t]
+                              torch.tensor([[p - 1]], device=con.device),
+                              aux_layer_ids=self.aux_layers(state.target))[0, 0]  # [3*d_t]
         self._future, self._future_anchor = None, -1
         self._next_future = (self._future_for(con_aux, aux[p - 1], p - 1), p - 1)
         self.anchors = [(p - 1, lag)]
@@ -152,16 +151,15 @@ class ConFuDrafter(Eagle3Drafter):
         return extra
 
     @torch.no_grad()
-    def update(self, state: DecodeState, result: VerifyResult, tree: DraftTree) -> None:
+    def update(self, state: DecodeState, out: VerifyOutput) -> None:
         """Future token from the last kept node's contemplate row, then the accepted rows (EAGLE-3)."""
-        if state.extra_out is None:
-            raise RuntimeError("ConFuDrafter needs the outputs of its contemplate rows (state.extra_out)")
-        vout, n_tree = state.extra_out
-        n = min(len(state.tokens) - self._num_tokens, len(result.path), state.accepted_aux.shape[0])
+        if out.extra is None or out.extra.aux is None:
+            raise RuntimeError("ConFuDrafter needs the aux states of its contemplate rows (VerifyOutput.extra)")
+        n = out.kept
         if n > 0:
-            node = result.path[n - 1]
-            con_aux = vout.aux_hidden[0, n_tree + self.draft.config.num_soft_prompts + node]  # [3*d_t]
+            node = out.kept_path[-1]
+            con_aux = out.extra.aux[self.draft.config.num_soft_prompts + node]  # [3*d_t]
             anchor = self._committed + n - 1
-            self._next_future = (self._future_for(con_aux, state.accepted_aux[n - 1], anchor), anchor)
+            self._next_future = (self._future_for(con_aux, out.accepted_aux[n - 1], anchor), anchor)
             self.anchors.append((anchor, anchor - self._future_anchor))
-        super().update(state, result, tree)
+        super().update(state, out)

@@ -93,7 +93,7 @@ class ConFuModule(Eagle3Module):
         B, T = ids.shape
         cache = self.target.new_cache(B, T)
         with torch.no_grad():
-            out = self.target.forward(ids, cache=cache, return_aux=True)
+            out = self.target.forward(ids, cache=cache, return_aux=True, aux_layer_ids=self.draft.tapped_layers(self.target))
         cache.commit(T)
         aux, logits = out.aux_hidden, out.logits  # [B, T, 3*d_t], [B, T, V]
         if anchors is None:
@@ -107,7 +107,8 @@ class ConFuModule(Eagle3Module):
         width = aux.shape[-1]
         key_aux = aux.gather(1, (a - lags).clamp(min=0)[..., None].expand(-1, -1, width))  # [B, K, 3*d_t]
         anchor_aux = aux.gather(1, a[..., None].expand(-1, -1, width))  # [B, K, 3*d_t]
-        con_aux = contemplate(self.target, cache, draft.soft_prompts, draft.contemplate_embedding(key_aux), anchors)
+        con_aux = contemplate(self.target, cache, draft.soft_prompts, draft.contemplate_embedding(key_aux), anchors,
+                              aux_layer_ids=draft.tapped_layers(self.target))
         f = draft.future_vector(con_aux)  # [B, K, d]
         e_f = draft.future_embedding(anchor_aux)  # [B, K, d]
         future_kv = draft.future_kv(e_f, f, a)  # L x ([B, Hkv, K, hd], [B, Hkv, K, hd])

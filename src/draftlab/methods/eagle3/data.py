@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import Dataset
 
 from draftlab.data.datamodule import ConversationDataModule, PadCollator
+from draftlab.data.features import FeatureDataset
 from draftlab.data.template import RenderedSample
-from draftlab.methods.eagle3.features import FeatureDataset
 
 
 class FeaturePadCollator:

@@ -19,15 +19,13 @@ from __future__ import annotations
 import torch
 
 from draftlab.decoding.cache import KVCache
-from draftlab.decoding.drafter import DecodeState
+from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.tree import DraftTree, FrontierBatch, build_dynamic_tree
-from draftlab.decoding.verify import VerifyResult
 from draftlab.methods.eagle3.model import CacheAttention, Eagle3Draft
-from draftlab.targets.base import to_convention
 
 
-class Eagle3Drafter:
-    """Proposes EAGLE-2 dynamic trees with an EAGLE-3 draft (``needs_aux = True``).
+class Eagle3Drafter(Drafter):
+    """Proposes EAGLE-2 dynamic trees with an EAGLE-3 draft; the engine captures the draft's three taps.
 
     ``top_k`` is the branching factor and frontier width, ``depth`` the number of tree levels (``depth``
     calls of the expansion, ``depth - 1`` draft forwards per round), ``total_tokens`` the number of
@@ -37,7 +35,6 @@ class Eagle3Drafter:
     One drafter serves one sequence at a time: ``reset`` starts the draft cache afresh.
     """
 
-    needs_aux = True
     # The draft cache starts this many rows past the prompt and at least doubles when it runs out.
     cache_chunk: int = 256
 
@@ -74,7 +71,10 @@ class Eagle3Drafter:
     # ---- compatibility ----------------------------------------------------------------------------------
 
     def check_compatible(self, target) -> None:
-        """Raise ``ValueError`` naming the field when the draft was not built for ``target``'s features."""
+        """Raise ``ValueError`` naming the field when the draft was not built for ``target``'s features.
+
+        The target's own default taps do not matter: the engine captures the draft's (``aux_layers``).
+        """
         c = self.draft.config
         g = target.geometry
         if c.target_hidden_size != g.hidden_size:
@@ -83,19 +83,26 @@ class Eagle3Drafter:
         if c.vocab_size != g.vocab_size:
             raise ValueError(f"draft vocab_size={c.vocab_size} but the target's vocab_size is "
                              f"{g.vocab_size}")
-        target_ids = [int(i) for i in target.aux_layer_ids]
-        if len(target_ids) != 3:
-            raise ValueError(f"target aux_layer_ids={target_ids}: EAGLE-3 needs exactly 3 tapped hidden "
-                             "states")
         if len(c.aux_layer_ids) != 3:
             raise ValueError(f"draft aux_layer_ids={c.aux_layer_ids}: the draft does not say which 3 target "
                              "hidden states it was trained on")
-        converted = [to_convention(i, c.layer_convention, target.layer_convention) for i in c.aux_layer_ids]
-        if converted != target_ids:
+        converted = self.draft.tapped_layers(target)
+        bad = [i for i in converted if not 0 <= i < g.num_layers]
+        if bad:
             conv = getattr(target.layer_convention, "value", target.layer_convention)
             raise ValueError(f"draft aux_layer_ids={c.aux_layer_ids} ({c.layer_convention}) name {converted} "
-                             f"in the target's '{conv}' convention, but the target taps "
-                             f"aux_layer_ids={target_ids}")
+                             f"in the target's '{conv}' convention, but a {g.num_layers}-layer target has no "
+                             f"layer {bad} there")
+
+    # ---- the drafter protocol: what the engine must provide ----------------------------------------------
+
+    def aux_layers(self, target) -> list[int]:
+        """The draft's three taps, named in ``target``'s layer convention."""
+        return self.draft.tapped_layers(target)
+
+    def verify_rows(self, cfg) -> int:
+        """Tree nodes of the largest tree: the root plus ``total_tokens`` proposals."""
+        return self.total_tokens + 1
 
     # ---- draft cache ------------------------------------------------------------------------------------
 
@@ -146,7 +153,8 @@ class Eagle3Drafter:
         """Check the target, then run the draft over the prompt rows (the last one consumes the root)."""
         self.check_compatible(state.target)
         if state.accepted_aux is None:
-            raise ValueError("Eagle3Drafter needs the target's aux hidden states (engine with needs_aux)")
+            raise ValueError("Eagle3Drafter needs the target's aux hidden states (the engine captures "
+                             "aux_layers(target))")
         p = state.accepted_aux.shape[0]
         if len(state.tokens) != p + 1:
             raise ValueError(f"expected prompt + root ({p + 1} tokens) after prefill, "
@@ -197,13 +205,16 @@ class Eagle3Drafter:
             self._cache.truncate(committed)
 
     @torch.no_grad()
-    def update(self, state: DecodeState, result: VerifyResult, tree: DraftTree) -> None:
-        """Append the rows of the accepted tokens (accepted nodes + bonus) from the verify pass's features."""
+    def update(self, state: DecodeState, out: VerifyOutput) -> None:
+        """Append the rows of the kept tokens (accepted nodes + bonus) from the verify pass's features."""
         self._cache.truncate(self._committed)
-        added = len(state.tokens) - self._num_tokens
         # The engine may keep fewer tokens than the path offers (EOS, token budget): only those get rows.
-        n = min(added, len(result.path), state.accepted_aux.shape[0])
+        # Row j consumes kept token j with the features of kept node j (the root first).
+        n = out.kept
+        if n != len(state.tokens) - self._num_tokens:
+            raise RuntimeError(f"{out.kept} tokens kept but the sequence grew by "
+                               f"{len(state.tokens) - self._num_tokens}: one update per engine round")
         if n <= 0:
             return
         start = self._num_tokens
-        self._append_rows(state.tokens[start:start + n], state.accepted_aux[:n])
+        self._append_rows(state.tokens[start:start + n], out.accepted_aux)

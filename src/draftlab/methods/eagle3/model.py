@@ -27,6 +27,7 @@ from torch import nn
 
 from draftlab.decoding.cache import KVCache
 from draftlab.methods.eagle3.config import Eagle3Config
+from draftlab.targets.base import to_convention
 
 
 # Softmax / norm precision: at least fp32, but fp64 stays fp64 (gradient checks run in double).
@@ -318,6 +319,11 @@ class Eagle3Draft(nn.Module):
         """A preallocated draft KV cache (one slot per draft layer) for ``CacheAttention``."""
         c, w = self.config, self.fc.weight
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, max_length, dtype=w.dtype, device=w.device)
+
+    def tapped_layers(self, target) -> list[int]:
+        """The target layers this draft reads, named in ``target``'s layer convention."""
+        c = self.config
+        return [to_convention(i, c.layer_convention, target.layer_convention) for i in c.aux_layer_ids]
 
     def target_ids(self) -> torch.Tensor:
         """Target id of every draft id (``d2t + arange(V_d)``), i.e. what each lm_head row predicts."""

@@ -95,7 +95,8 @@ class Eagle3Module(L.LightningModule):
             raise RuntimeError("online batch (tokens only) but the module has no target")
         with torch.no_grad():
             # Right padding + causal attention: padded rows never reach real ones, as in the offline store.
-            out = self.target.forward(batch["input_ids"], return_aux=True)
+            out = self.target.forward(batch["input_ids"], return_aux=True,
+                                      aux_layer_ids=self.draft.tapped_layers(self.target))
         return out.aux_hidden, out.logits
 
     def _ttt(self, batch: dict[str, torch.Tensor]):

@@ -1,8 +1,8 @@
 """Offline target features: the frozen target's aux hidden states and final hidden state, computed once.
 
 Online training runs the target inside every step; offline training reads what this module wrote:
-one safetensors file per sample (``aux [T, 3*d_t]``, ``last [T, d]`` = the target's final post-norm
-hidden state), under a directory keyed by the content hash of everything that determines them (target,
+one safetensors file per sample (``aux [T, n_taps*d_t]`` for the layers a draft taps, ``last [T, d]`` =
+the final post-norm hidden state), under a directory keyed by the content hash of everything that determines them (target,
 tapped layers, data, dtype). Logits are rebuilt at training time from ``last`` with the target's LM head,
 as SpecForge does, because storing ``[T, V]`` logits would cost V/(4d) times more disk.
 
@@ -36,8 +36,22 @@ _COMPLETE = "complete.json"
 def feature_key(target_id, data_key: str, aux_layer_ids: Sequence[int], layer_convention: str,
                 dtype: str, num_samples: int) -> str:
     """Content key of a feature store (``target_id`` is the resolved target config)."""
-    return content_key("eagle3-features/1", target_id, data_key, list(aux_layer_ids), str(layer_convention),
+    return content_key("target-features/1", target_id, data_key, list(aux_layer_ids), str(layer_convention),
                        dtype, num_samples)
+
+
+def offline_features(*, target, draft, samples: Sequence[RenderedSample], root: str | Path, key: tuple,
+                     dtype: str = "float32") -> Path:
+    """The registry's ``features`` entry: the store of the layers ``draft`` taps, under ``root/features/<key>``.
+
+    ``key`` identifies the target (capture settings excluded) and the data; the tapped layers and the
+    dtype are added here, so drafts that tap the same layers share one store.
+    """
+    layers = draft.tapped_layers(target)
+    convention = getattr(target.layer_convention, "value", str(target.layer_convention))
+    target_id, data_key = key
+    fkey = feature_key(target_id, data_key, layers, convention, dtype, len(samples))
+    return precompute_features(target, samples, Path(root) / "features" / fkey, dtype=dtype, aux_layer_ids=layers)
 
 
 def _sample_path(root: Path, index: int) -> Path:
@@ -50,7 +64,7 @@ def is_complete(root: str | Path) -> bool:
 
 @torch.no_grad()
 def precompute_features(target, samples: Sequence[RenderedSample], root: str | Path, *, dtype: str = "float32",
-                        max_tokens_per_batch: int = 4096) -> Path:
+                        max_tokens_per_batch: int = 4096, aux_layer_ids: Sequence[int] | None = None) -> Path:
     """Write ``aux``/``last`` for every sample under ``root`` (skipping files already there).
 
     Samples are run in length-sorted batches of at most ``max_tokens_per_batch`` padded tokens; each row is
@@ -76,7 +90,8 @@ def precompute_features(target, samples: Sequence[RenderedSample], root: str | P
         ids = torch.full((len(batch), width), 0, dtype=torch.long)  # [B, T]
         for row, i in enumerate(batch):
             ids[row, : len(samples[i].input_ids)] = torch.tensor(samples[i].input_ids)
-        out = target.forward(ids.to(target.device), return_aux=True, return_last_hidden=True, logits_rows=torch.arange(0))
+        out = target.forward(ids.to(target.device), return_aux=True, return_last_hidden=True, logits_rows=torch.arange(0),
+                             aux_layer_ids=None if aux_layer_ids is None else list(aux_layer_ids))
         for row, i in enumerate(batch):
             t = len(samples[i].input_ids)
             tensors = {"aux": out.aux_hidden[row, :t].to(store_dtype).contiguous().cpu(),  # [T, 3*d_t]

@@ -1,0 +1,149 @@
+"""The method registry: everything the pipeline needs of a method, declared in ``conf/method/<m>.yaml``.
+
+The stages never name a method. They read a method through :class:`MethodSpec`, whose members map one to
+one onto the config file's blocks (each a Hydra ``_target_``, most with ``_partial_: true`` because the
+pipeline supplies the run-time arguments)::
+
+    name / label / trainable        identity; ``trainable: false`` = no draft artifact (training-free)
+    draft_vocab_size                the reduced draft vocabulary the data stage builds (null: none)
+    taps                            target layers the method reads (null: the method's default)
+    draft(target=, vocab=, taps=)   builds the draft nn.Module (fresh, or continued from an artifact)
+    module(draft=, target=)         the LightningModule that trains / calibrates it
+    data(samples=, features=, pad_token_id=, seed=)   its LightningDataModule
+    features(target=, draft=, samples=, root=, key=)  offline target features -> a directory; null = online
+    artifact.save(draft, out_dir, target=) / artifact.load(path, target=)   the trained-draft artifact
+    export.<format>(draft, out_dir, target=)          serving formats (``draftlab-export``)
+    drafter(draft) | drafter()      the inference-time drafter the engine calls
+    axes                            name -> dotted path in this config: the settings tables compare by
+
+A method is then one folder under ``methods/`` plus its config files; a new one needs no pipeline edit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+# Blocks that do not change the weights a training run produces (so they stay out of the training key).
+_NOT_IN_TRAIN_KEY = ("label", "drafter", "export", "artifact", "axes", "features")
+
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+
+
+class MethodSpec:
+    """A composed ``method`` config node, with one call per pipeline seam."""
+
+    def __init__(self, cfg: DictConfig):
+        if "name" not in cfg:
+            raise ValueError("method config has no 'name'")
+        self.cfg = cfg
+
+    # ---- construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_name(cls, name: str, overrides: list[str] | tuple[str, ...] = (), *, target: str = "tiny_random"
+                  ) -> MethodSpec:
+        """Compose ``conf/method/<name>.yaml`` inside the real primary config (for tests and scripts)."""
+        return cls(compose_train_config([f"method={name}", f"target={target}", *overrides]).method)
+
+    # ---- identity ----------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return str(self.cfg.name)
+
+    @property
+    def label(self) -> str:
+        return str(self.cfg.get("label") or self.cfg.name)
+
+    @property
+    def trainable(self) -> bool:
+        return bool(self.cfg.get("trainable", False))
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        v = self.cfg.get("draft_vocab_size")
+        return None if v is None else int(v)
+
+    @property
+    def taps(self) -> list[int] | None:
+        t = self.cfg.get("taps")
+        return None if t is None else [int(i) for i in t]
+
+    def resolved(self) -> dict[str, Any]:
+        return OmegaConf.to_container(self.cfg, resolve=True)
+
+    def key_config(self) -> dict[str, Any]:
+        """The slice of the method config that changes the trained weights (enters the training key)."""
+        return {k: v for k, v in self.resolved().items() if k not in _NOT_IN_TRAIN_KEY}
+
+    def axes(self) -> dict[str, Any]:
+        """``{axis: value}`` for the comparison axes this method declares (``axes: {nodes: drafter.total_tokens}``)."""
+        out = {}
+        for axis, path in (self.cfg.get("axes") or {}).items():
+            value = OmegaConf.select(self.cfg, str(path), throw_on_missing=False)
+            if value is None:
+                raise ValueError(f"method '{self.name}': axis '{axis}' points at '{path}', which the config lacks")
+            out[str(axis)] = value
+        return out
+
+    # ---- seams -------------------------------------------------------------------------------------
+
+    def _block(self, key: str):
+        block = self.cfg.get(key)
+        if block is None:
+            raise ValueError(f"method '{self.name}' declares no '{key}' block in conf/method/")
+        return block
+
+    def build_draft(self, target, vocab=None):
+        return instantiate(self._block("draft"))(target=target, vocab=vocab, taps=self.taps)
+
+    def build_module(self, draft, target):
+        return instantiate(self._block("module"))(draft=draft, target=target)
+
+    def build_datamodule(self, samples, *, features: Path | None, pad_token_id: int, seed: int):
+        return instantiate(self._block("data"))(samples=samples, feature_dir=features, pad_token_id=pad_token_id,
+                                                seed=seed)
+
+    @property
+    def has_offline_features(self) -> bool:
+        return self.cfg.get("features") is not None
+
+    def prepare_features(self, *, target, draft, samples, root: Path, key: tuple) -> Path | None:
+        """The offline feature store for these samples (computed once, shared by every run on them)."""
+        if not self.has_offline_features:
+            return None
+        return instantiate(self.cfg.features)(target=target, draft=draft, samples=samples, root=root, key=key)
+
+    def save(self, draft, out_dir: Path, target) -> Path:
+        return instantiate(self._block("artifact").save)(draft, out_dir, target=target)
+
+    def load(self, path: Path, target):
+        return instantiate(self._block("artifact").load)(path, target=target)
+
+    @property
+    def exporters(self) -> dict[str, Any]:
+        return {str(k): instantiate(v) for k, v in (self.cfg.get("export") or {}).items()}
+
+    def build_drafter(self, draft=None):
+        factory = instantiate(self._block("drafter"))
+        return factory(draft) if self.trainable else factory
+
+
+def compose_train_config(overrides: list[str], config_name: str = "train") -> DictConfig:
+    """The real ``conf/`` composed with ``overrides`` (outside a Hydra app)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name=config_name, overrides=list(overrides))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+def method_names() -> list[str]:
+    """Every method config shipped in ``conf/method/``."""
+    return sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))

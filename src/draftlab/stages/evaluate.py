@@ -1,0 +1,71 @@
+"""The evaluation stage: a drafter against AR on a benchmark, in one process, into an eval record.
+
+The record stores the resolved method config (drafter included) and the method's declared ``axes``
+(``conf/method/<m>.yaml``), so tables compare runs by the settings each method actually has.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from draftlab import tracking
+from draftlab.decoding.engine import GenerationConfig
+from draftlab.methods.registry import MethodSpec
+
+
+def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
+    """The engine settings of ``cfg.eval``, with scratch room for the drafter's largest verify pass."""
+    e = cfg.eval
+    gen = GenerationConfig(max_new_tokens=int(e.max_new_tokens), temperature=float(e.temperature),
+                           top_k=e.get("top_k_sampling"), top_p=e.get("top_p"), seed=int(cfg.seed),
+                           max_tree_rows=int(e.get("max_tree_rows", 128)))
+    rows = drafter.verify_rows(gen) if drafter is not None else None
+    if rows is not None:
+        gen.max_tree_rows = max(gen.max_tree_rows, int(rows) + 8)
+    return gen
+
+
+def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None = None
+             ) -> tuple[dict[str, Any], dict[str, float]]:
+    """Run ``cfg.bench`` with ``drafter`` and the AR baseline; returns (eval record, flat metrics)."""
+    from draftlab.eval.runner import format_table, run_benchmark
+
+    spec = MethodSpec(cfg.method)
+    bench = instantiate(cfg.bench, _convert_="object")
+    questions = bench.load()
+    gen = generation_config(cfg, drafter)
+    res = run_benchmark(target, questions, drafter, gen, run_dir, bench=bench.name, method=spec.name,
+                        warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"))
+    table = format_table(res)
+    print(table)
+    (run_dir / "eval_table.txt").write_text(table + "\n")
+    metrics = res.flat_metrics()
+    record = {"bench": bench.name, "method": spec.name, "label": spec.label, "temperature": gen.temperature,
+              "axes": spec.axes(), "method_config": {k: v for k, v in spec.resolved().items() if k != "axes"},
+              "max_new_tokens": gen.max_new_tokens,
+              "columns": dict(res.metrics["columns"]) | {"AVG": res.metrics["AVG"]},
+              "categories": res.metrics["categories"],
+              "accept_lengths": {str(k): v for k, v in res.accept_histogram.items()},
+              "mismatches_vs_ar": res.mismatches_vs_ar, "answer_files": res.answer_files}
+    _log_to_wandb(loggers or [], res, metrics)
+    return record, metrics
+
+
+def _log_to_wandb(loggers: list, res, metrics: dict[str, float]) -> None:
+    run = tracking.wandb_run(loggers)
+    if run is None:
+        return
+    import wandb
+
+    run.log({k: v for k, v in metrics.items() if k.startswith("eval/")})
+    cols = ["column", "n_questions", "tau", "speedup", "method_tps", "baseline_tps"]
+    groups = dict(res.metrics["columns"]) | {"AVG": res.metrics["AVG"]}
+    table = wandb.Table(columns=cols, data=[[c] + [m.get(k) for k in cols[1:]] for c, m in groups.items()])
+    hist = wandb.Table(columns=["accept_length", "rounds"], data=[[int(k), int(v)] for k, v in res.accept_histogram.items()])
+    run.log({f"eval/{res.bench}/table": table,
+             f"eval/{res.bench}/accept_lengths": wandb.plot.bar(hist, "accept_length", "rounds",
+                                                                 title="accepted tokens per round")})

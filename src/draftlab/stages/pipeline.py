@@ -1,0 +1,77 @@
+"""One ``draftlab-train`` / ``draftlab-eval`` job: target -> (trainable methods) data -> train -> eval -> record.
+
+``run_pipeline(cfg)`` composes the stages; the method is whatever ``cfg.method`` declares (see
+``draftlab.methods.registry``). A trainable method either trains (content-addressed, reused or resumed)
+or, with ``draft_path=DIR``, evaluates an existing artifact; a training-free method goes straight to
+evaluation. The job's record (``<run dir>/record.json``) and W&B run name the commit the job started on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from draftlab import tracking
+from draftlab.methods.registry import MethodSpec
+from draftlab.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
+    """Run one job; returns its record (also written to ``<run dir>/record.json``)."""
+    from draftlab.stages.evaluate import evaluate
+    from draftlab.stages.train import train_draft
+
+    ctx = tracking.hydra_context()
+    git = tracking.git_info()  # the code this job runs, not what HEAD is when it ends
+    run_dir = Path(ctx.get("output_dir") or cfg.paths.output_dir)
+    identity = tracking.run_identity(cfg, ctx)
+    loggers = tracking.make_loggers(cfg, identity)
+    torch.manual_seed(cfg.seed)
+    try:
+        target = instantiate(cfg.target)
+        spec = MethodSpec(cfg.method)
+        artifacts: dict[str, Any] = {"draft": None, "data": None}
+        metrics: dict[str, float] = {}
+        train_info = None
+        if spec.trainable:
+            if cfg.get("draft_path"):
+                draft_dir = Path(str(cfg.draft_path)).expanduser()
+            elif stage == "eval":
+                raise ValueError(f"method '{spec.name}' needs a trained draft: pass draft_path=DIR "
+                                 "(an artifact written by draftlab-train) or run draftlab-train")
+            else:
+                from draftlab.stages.data import run_data_stage
+
+                data = run_data_stage(cfg, target)
+                artifacts["data"] = data.data_key
+                result = train_draft(cfg, target, data, loggers)
+                draft_dir = result.draft_dir
+                artifacts["train_key"] = result.key
+                train_info = {"key": result.key, "reused": result.reused, "history": result.history,
+                              "best": result.best, "train_seconds": result.train_seconds}
+                metrics.update({k: v for k, v in result.best.items() if k.startswith("val/")})
+                metrics["train/seconds"] = result.train_seconds
+                metrics["train/reused"] = float(result.reused)
+            artifacts["draft"] = str(draft_dir)
+            draft = spec.load(draft_dir, target).to(target.dtype).eval()
+            drafter = spec.build_drafter(draft)
+        else:
+            drafter = spec.build_drafter()
+
+        eval_record = None
+        if cfg.eval.enabled:
+            eval_record, eval_metrics = evaluate(cfg, target, drafter, run_dir, loggers)
+            metrics.update(eval_metrics)
+        record = tracking.build_record(cfg, kind=stage, identity=identity, metrics=metrics, artifacts=artifacts,
+                                       eval_result=eval_record, train=train_info, ctx=ctx, git=git)
+        path = tracking.write_record(run_dir, record)
+        log.info("run record: %s", path)
+        return record
+    finally:
+        tracking.finish_wandb()

@@ -1,0 +1,226 @@
+"""The conformance checks every method config must pass, as plain functions of (target, drafter factory).
+
+They are functions rather than tests so that ``test_mutants.py`` can run the very same checks against
+deliberately broken drafters / engines and assert that they fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from scipy import stats as scipy_stats
+
+from draftlab.decoding.drafter import Drafter, VerifyOutput
+from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
+from draftlab.decoding.sampling import logits_to_probs
+from draftlab.decoding.tree import DraftTree
+
+P_VALUE_MIN = 1e-3
+
+
+def check_tree(tree: DraftTree, root: int, vocab: int, max_rows: int) -> None:
+    """The invariants ``decoding.tree`` documents and the engine and verifier rely on."""
+    n = tree.size
+    parents, depth = tree.parents.tolist(), tree.depth.tolist()
+    assert int(tree.tokens[0]) == root, "node 0 must be the last committed token"
+    assert parents[0] == -1 and depth[0] == 0
+    assert all(0 <= parents[i] < i for i in range(1, n)), f"not in topological order: {parents}"
+    assert all(depth[i] == depth[parents[i]] + 1 for i in range(1, n)), "depth != parent depth + 1"
+    assert bool(((tree.tokens >= 0) & (tree.tokens < vocab)).all()), "token outside the target vocabulary"
+    assert n <= max_rows, f"{n} tree rows > the {max_rows} the drafter reserves"
+    if not tree.deterministic:
+        q = tree.draft_probs.float()
+        assert q.shape == (n, vocab)
+        assert bool((q >= 0).all()) and torch.allclose(q[1:].sum(-1), torch.ones(n - 1), atol=1e-4)
+        # Each sampled node's token must be possible under the distribution it was drawn from.
+        assert bool((q[torch.arange(1, n), tree.tokens[1:]] > 0).all()), "a sampled token has q(x) = 0"
+
+
+class Checked(Drafter):
+    """Forwards every call to ``inner`` and checks each proposed tree (and each update's bookkeeping)."""
+
+    def __init__(self, inner: Drafter, vocab: int, scratch: int):
+        self.inner, self.vocab, self.scratch = inner, vocab, scratch
+        self.trees = 0
+
+    def aux_layers(self, target):
+        return self.inner.aux_layers(target)
+
+    def verify_rows(self, cfg):
+        return self.inner.verify_rows(cfg)
+
+    def extra_rows(self, state, tree):
+        return self.inner.extra_rows(state, tree)
+
+    def reset(self, state):
+        self.inner.reset(state)
+
+    def propose(self, state):
+        tree = self.inner.propose(state)
+        check_tree(tree, state.root, self.vocab, self.scratch)
+        self.trees += 1
+        return tree
+
+    def update(self, state, out: VerifyOutput):
+        assert 1 <= out.kept <= len(out.result.path)
+        assert out.logits.shape[0] == out.tree.size
+        self.inner.update(state, out)
+
+
+def _scratch(drafter: Drafter, cfg: GenerationConfig) -> int:
+    return max(cfg.max_tree_rows, drafter.verify_rows(cfg) or 0)
+
+
+def run(target, drafter: Drafter, prompt: list[int], cfg: GenerationConfig, engine=speculative_generate):
+    checked = Checked(drafter, target.geometry.vocab_size, _scratch(drafter, cfg))
+    out, stats = engine(target, prompt, checked, cfg, trace=True)
+    assert checked.trees == stats.rounds
+    # The trace is the round record: emitted tokens are its paths + bonuses.
+    assert [out[0]] + [t for r in stats.trace for t in r.emitted] == out
+    return out, stats
+
+
+# One scratch row: the engine must reserve what the drafter declares in ``verify_rows``, nothing else.
+DECLARED_ONLY = 1
+
+
+def check_greedy_equals_ar(target, make_drafter: Callable[[], Drafter], prompts: list[list[int]], n: int, *,
+                           engine=speculative_generate, stop_on_eos: bool = False) -> int:
+    """Greedy speculative output == greedy AR, token for token; returns the draft tokens accepted."""
+    cfg = GenerationConfig(max_new_tokens=n, temperature=0.0, stop_on_eos=stop_on_eos, max_tree_rows=DECLARED_ONLY)
+    accepted = 0
+    drafter = make_drafter()
+    for prompt in prompts:  # one drafter across sequences: reset must start afresh
+        out, stats = run(target, drafter, prompt, cfg, engine)
+        ar, _ = autoregressive_generate(target, prompt, cfg)
+        assert out == ar, f"greedy speculative output differs from AR at {next(i for i, (a, b) in enumerate(zip(out + [None], ar + [None])) if a != b)}"
+        accepted += sum(len(r.path) - 1 for r in stats.trace)
+    return accepted
+
+
+def _pooled_chisquare(obs: list[float], exp: list[float], min_expected: float = 5.0) -> float:
+    """Chi-square p-value with adjacent bins pooled until each expects >= ``min_expected``; one bin = no test."""
+    groups: list[list[float]] = []
+    for o, e in zip(obs, exp):
+        if groups and groups[-1][1] < min_expected:
+            groups[-1][0] += o
+            groups[-1][1] += e
+        else:
+            groups.append([o, e])
+    if len(groups) > 1 and groups[-1][1] < min_expected:  # a small tail joins its neighbour
+        o, e = groups.pop()
+        groups[-1][0] += o
+        groups[-1][1] += e
+    if len(groups) < 2:
+        return 1.0
+    o = [g[0] for g in groups]
+    e = [g[1] * sum(o) / sum(g[1] for g in groups) for g in groups]
+    return float(scipy_stats.chisquare(o, e).pvalue)
+
+
+def _bin_tails(obs: list[float], exp: list[float]) -> float:
+    """Bonferroni-corrected two-sided Poisson tail p-value of the most surprising bin count."""
+    total = sum(obs) / max(sum(exp), 1e-300)
+    tails = [min(scipy_stats.poisson.sf(o - 1, e * total), scipy_stats.poisson.cdf(o, e * total))
+             for o, e in zip(obs, exp) if e > 0]
+    return float(min(1.0, 2 * len(tails) * min(tails))) if tails else 1.0
+
+
+def check_sampling(target, make_drafter: Callable[[], Drafter], prompts: list[list[int]], *, n: int, seeds,
+                   temperature: float, top_k: int | None = None, top_p: float | None = None,
+                   engine=speculative_generate) -> dict:
+    """Sampled speculative output follows the target's distribution, token by token.
+
+    For every emitted token ``y_t`` (after the prefill's), with ``p_t`` the target's sampling distribution
+    given the prefix (``logits_to_probs`` of a fresh causal forward over prompt + output: independent of
+    the engine), the randomised PIT value ``u_t = F_t(y_t-) + U p_t(y_t)`` over the vocabulary sorted by
+    decreasing ``p_t`` is uniform on (0, 1) and independent of the past exactly when ``y_t ~ p_t``. So the
+    ``u_t`` are i.i.d. uniform for a lossless engine: a KS test, plus a chi-square on the rank of the
+    emitted token (argmax / ranks 2-4 / the rest), whose expected counts are sums of ``p_t``.
+
+    The most sensitive check is conditional on the trees: a deterministic tree (top-k candidates) is
+    chosen without any of the coins, so given the tree the token emitted after a path node is still
+    ``p_t``-distributed, and it lands among that node's drafted children ``C_t`` with probability exactly
+    ``p_t(C_t)``. A lossy rule (a skipped correction, sampled candidates verified as if deterministic)
+    emits drafted tokens too often; a z-test on the count (an exact Poisson tail when few hits are
+    expected) catches it. Sampled trees are left out of it: their candidates are drawn with the coupling
+    of speculative sampling, so given a sampled child the emission is not ``p_t``; for them the marginal
+    KS and chi-square tests carry the check. Also returns how many draft tokens were accepted (a check that passes with nothing accepted
+    proves little).
+    """
+    drafter = make_drafter()
+    u_gen = torch.Generator().manual_seed(1234)
+    us: list[float] = []
+    obs = torch.zeros(3, dtype=torch.float64)
+    exp = torch.zeros(3, dtype=torch.float64)
+    accepted = 0
+    hits, hit_mass, hit_var = 0.0, 0.0, 0.0
+    for prompt in prompts:
+        for seed in seeds:
+            cfg = GenerationConfig(max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                   stop_on_eos=False, max_tree_rows=DECLARED_ONLY)
+            out, stats = run(target, drafter, prompt, cfg, engine)
+            accepted += sum(len(r.path) - 1 for r in stats.trace)
+            seq = prompt + out
+            with torch.no_grad():
+                all_logits = target.forward(torch.tensor([seq])).logits[0]  # [T, V] row j: token j + 1
+            p_all = logits_to_probs(all_logits, temperature, top_k, top_p).double()  # [T, V]
+            for r in stats.trace:
+                if not r.deterministic:
+                    # A sampled tree is drawn together with the acceptance coins (speculative sampling's
+                    # coupling): given a sampled child x, the emitted token is x with min(1, p/q) >> p(x).
+                    # Only trees chosen independently of all coins support the conditional test.
+                    continue
+                parents = r.parents.tolist()
+                for k, node in enumerate(r.path[: r.kept]):
+                    kids = sorted({int(r.tokens[c]) for c in range(len(parents)) if parents[c] == node})
+                    if not kids:
+                        continue
+                    mass = float(p_all[r.anchor + k, kids].sum())
+                    hits += float(seq[r.anchor + k + 1] in kids)
+                    hit_mass += mass
+                    hit_var += mass * (1 - mass)
+            p = p_all[len(prompt):len(seq) - 1]  # [n-1, V]
+            y = torch.tensor(out[1:])  # [n-1]
+            sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)  # [n-1, V]
+            rank = (order == y[:, None]).nonzero()[:, 1]  # [n-1]
+            before = torch.cumsum(sorted_p, -1) - sorted_p  # [n-1, V]
+            rows = torch.arange(len(y))
+            py = sorted_p[rows, rank]  # [n-1]
+            assert bool((py > 0).all()), "emitted a token the target cannot emit"
+            us += (before[rows, rank] + torch.rand(len(y), generator=u_gen, dtype=torch.float64) * py).tolist()
+            bins = torch.bucketize(rank, torch.tensor([1, 4]), right=True)  # 0: argmax, 1: ranks 2-4, 2: rest
+            obs += torch.bincount(bins, minlength=3).double()
+            exp += torch.stack([sorted_p[:, :1].sum(-1), sorted_p[:, 1:4].sum(-1), sorted_p[:, 4:].sum(-1)], 1).sum(0)
+    ks = float(scipy_stats.kstest(us, "uniform").pvalue)
+    # Pooling keeps the chi-square honest but blurs rare bins (at T=1 the target's argmax is itself rare),
+    # where a lossy rule shows first; each bin's count is also compared with its exact Poisson tail (a sum of
+    # rare Bernoullis; conservative for common bins), Bonferroni over the bins.
+    chi = min(_pooled_chisquare(obs.tolist(), exp.tolist()), _bin_tails(obs.tolist(), exp.tolist()))
+    z = (hits - hit_mass) / max(hit_var, 1e-12) ** 0.5
+    if hit_var >= 10:
+        z_p = float(2 * scipy_stats.norm.sf(abs(z)))
+    else:
+        # Few expected hits: a sum of rare Bernoullis is Poisson, far from normal (one hit against an
+        # expected 0.02 is a 2 % event, not z = 6.4); two-sided exact tail.
+        tail = min(scipy_stats.poisson.sf(hits - 1, hit_mass), scipy_stats.poisson.cdf(hits, hit_mass))
+        z_p = float(min(1.0, 2 * tail))
+    result = {"ks": ks, "chi2": chi, "drafted_z": z, "drafted_p": z_p, "drafted_hits": hits,
+              "drafted_expected": hit_mass, "samples": len(us), "accepted": accepted, "observed": obs.tolist(),
+              "expected": exp.tolist()}
+    assert min(ks, chi, z_p) > P_VALUE_MIN, f"emitted tokens do not follow the target: {result}"
+    return result
+
+
+# A sharp temperature, where drafts trained on greedy continuations are accepted often, and T=1, where a
+# draft that samples its proposals (a block drafter's chain) is accepted at all after a few training steps
+# and where a false claim about q (top-k candidates passed off as samples) shifts the emitted ranks most.
+SAMPLING_TEMPERATURES = (0.1, 1.0)
+
+
+def check_sampling_temperatures(target, make_drafter: Callable[[], Drafter], prompts: list[list[int]], *, n: int,
+                                seeds, temperatures=SAMPLING_TEMPERATURES, engine=speculative_generate) -> int:
+    """``check_sampling`` at each temperature; returns the draft tokens accepted over all of them."""
+    return sum(check_sampling(target, make_drafter, prompts, n=n, seeds=seeds, temperature=t,
+                              engine=engine)["accepted"] for t in temperatures)

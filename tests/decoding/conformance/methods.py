@@ -1,0 +1,85 @@
+"""Every shipped method config, built through the registry, plus a quick generic training run.
+
+A freshly built draft proposes noise; checks that pass with nothing accepted prove little. So trainable
+methods are trained for a few steps through their own registry seams (``build_module`` +
+``build_datamodule``, the calls the pipeline makes) on the target's greedy continuations of the shared
+corpus, which makes their trees accepted often enough that every commit path runs.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+from omegaconf import OmegaConf
+
+from draftlab.data.template import RenderedSample
+from draftlab.data.vocab import build_vocab_mapping
+from draftlab.methods.registry import MethodSpec, method_names
+from tests.methods.corpus import TRAIN_PROMPTS, train_sequences
+
+METHODS = method_names()
+TRAIN_STEPS = 20
+TRAIN_LR = 2e-2
+# CPU-sized knobs, applied to whichever config declares them (the suite names no method): smaller trees
+# and shorter training-time tests keep every config's checks to seconds on the tiny target.
+CPU_KNOBS = {"drafter.total_tokens": 16, "drafter.top_k": 4, "drafter.depth": 4, "module.ttt_length": 3}
+
+
+@cache
+def spec(name: str) -> MethodSpec:
+    s = MethodSpec.from_name(name)
+    for key, value in CPU_KNOBS.items():
+        if OmegaConf.select(s.cfg, key, default=None) is not None:
+            OmegaConf.update(s.cfg, key, value)
+    return s
+
+
+_SEQS: dict[int, list[list[int]]] = {}
+
+
+def sequences(target) -> list[list[int]]:
+    """The corpus continued greedily by ``target`` (computed once per target)."""
+    if id(target) not in _SEQS:
+        _SEQS[id(target)] = train_sequences(target)
+    return _SEQS[id(target)]
+
+
+def vocab_for(spec: MethodSpec, target, seqs: list[list[int]]):
+    if spec.draft_vocab_size is None:
+        return None
+    freq = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=target.geometry.vocab_size)
+    return build_vocab_mapping(freq, spec.draft_vocab_size)
+
+
+def quick_train(spec: MethodSpec, target, *, steps: int = TRAIN_STEPS, lr: float = TRAIN_LR):
+    """A draft built from the config and trained ``steps`` optimizer steps (Adam) by the method's module."""
+    seqs = sequences(target)
+    draft = spec.build_draft(target, vocab_for(spec, target, seqs))
+    # Several copies per sequence, so that the datamodule's validation split leaves training batches.
+    samples = [RenderedSample(input_ids=s, loss_mask=[0] * (len(p) - 1) + [1] * (len(s) - len(p) + 1), id=f"{i}-{c}")
+               for c in range(4) for i, (p, s) in enumerate(zip(TRAIN_PROMPTS, seqs))]
+    module = spec.build_module(draft, target)
+    dm = spec.build_datamodule(samples, features=None, pad_token_id=target.tokenizer.pad_token_id or 0, seed=0)
+    dm.setup("fit")
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=lr)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            draft.train()
+            step = 0
+            while step < steps:
+                for batch in dm.train_dataloader():
+                    loss = module.training_step(batch, step)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    step += 1
+                    if step == steps:
+                        break
+    finally:
+        torch.set_num_threads(threads)
+    return draft.eval()
