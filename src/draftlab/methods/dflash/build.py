@@ -1,0 +1,81 @@
+"""DFlash's registry entries (``conf/method/dflash.yaml``): the draft builder and the artifact save/load.
+
+The pipeline calls these through ``draftlab.methods.registry.MethodSpec``; the artifact is the DFlash HF
+directory (``export.py``), so a trained draft is servable as it stands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftlab.methods.dflash.config import DFlashConfig, default_mask_token_id, default_taps
+from draftlab.methods.dflash.model import DFlashDraft
+from draftlab.methods.eagle3.config import rope_from_hf_config
+from draftlab.targets.base import LayerConvention, to_convention
+
+
+def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers: int = 5, num_taps: int = 5,
+                block_size: int = 16, mask_token_id: int | None = None, intermediate_size: int | None = None,
+                init_norm_from_target: bool = True, seed: int | None = None, **overrides: Any) -> DFlashDraft:
+    """A fresh DFlash draft sized like ``target`` and sharing its (frozen) embedding and LM head.
+
+    taps             target layers to read, in ``target.layer_convention``; None = DFlash's ``num_taps``
+                     layers spread over the target's depth (``config.default_taps``, counted output_of).
+    num_layers       draft decoder layers (DFlash: 5; fewer for a small CPU target).
+    block_size       B: the anchor plus B-1 proposals per round.
+    mask_token_id    None = ``config.default_mask_token_id(target)``.
+    intermediate_size  MLP width; None = the target's.
+    init_norm_from_target  start the draft's final ``norm`` from the target's final norm: its output
+                     feeds the target's LM head, which expects that scale.
+    seed             seed of the random init (None: the global RNG).
+    overrides        any other ``DFlashConfig`` field (``rms_norm_eps``, ``rope_theta``, ...).
+    """
+    if vocab is not None:
+        raise ValueError("DFlash predicts through the target's own LM head over the full vocabulary; "
+                         "set method.draft_vocab_size: null (no reduced draft vocabulary)")
+    g = target.geometry
+    conv = LayerConvention(target.layer_convention)
+    if taps is None:
+        taps = [to_convention(i, LayerConvention.OUTPUT_OF, conv) for i in default_taps(g.num_layers, num_taps)]
+    taps = [int(i) for i in taps]
+    check = getattr(target, "check_layer_ids", None)
+    if check is not None:
+        check(taps)
+    hf_config = getattr(getattr(target, "model", None), "config", None)
+    rope_theta, rope_scaling = rope_from_hf_config(hf_config)
+    fields: dict[str, Any] = dict(
+        hidden_size=g.hidden_size, intermediate_size=int(intermediate_size or g.intermediate_size),
+        num_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, vocab_size=g.vocab_size,
+        num_layers=int(num_layers), block_size=int(block_size),
+        mask_token_id=int(mask_token_id) if mask_token_id is not None else default_mask_token_id(target),
+        target_layer_ids=taps, layer_convention=conv.value, num_target_layers=g.num_layers,
+        rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
+    )
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    config = DFlashConfig(**fields)
+    with torch.random.fork_rng(enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        draft = DFlashDraft(config)
+    draft.to(target.dtype).share_target_weights(target)
+    if init_norm_from_target:
+        with torch.no_grad():
+            draft.norm.weight.copy_(target.model.model.norm.weight.to(draft.norm.weight.dtype))
+    return draft
+
+
+def save_artifact(draft: DFlashDraft, out_dir: str | Path, *, target=None) -> Path:
+    """The trained draft as a DFlash HF directory (``export.save``)."""
+    from draftlab.methods.dflash.export import save
+
+    return save(draft, out_dir, target=target)
+
+
+def load_artifact(path: str | Path, *, target) -> DFlashDraft:
+    """A DFlash HF directory (draftlab's export or a z-lab checkpoint built for ``target``)."""
+    from draftlab.methods.dflash.export import load
+
+    return load(path, target=target)

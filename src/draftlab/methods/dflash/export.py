@@ -1,0 +1,378 @@
+"""The DFlash HF format (z-lab ``DFlashDraftModel``, SGLang ``--speculative-algorithm DFLASH``): save, validate, load.
+
+A directory with
+
+- ``config.json``: a Qwen3 decoder config (``architectures: ["DFlashDraftModel"]``, ``model_type: qwen3``,
+  the layer sizes, ``num_target_layers``) plus ``dflash_config: {mask_token_id, target_layer_ids,
+  block_size}``. ``target_layer_ids`` count ``output_of`` (the reference reads HF ``hidden_states[i + 1]``).
+  ``block_size`` is also written at the top level, where older loaders look; both RoPE spellings
+  (``rope_theta`` for transformers 4 / SGLang, ``rope_parameters`` for transformers 5) are written.
+  A ``draftlab`` block holds the full draft config (and the convention its taps were named in), so
+  draftlab reloads the file exactly; engines ignore it.
+- ``model.safetensors``: the draft's own weights under the reference names (``fc``, ``hidden_norm``,
+  ``layers.{i}.*``, ``norm``). The target's embedding and LM head are excluded: engines use the target's.
+
+``save`` writes into a temporary directory beside ``out_dir``, validates it and only then renames it into
+place, so a crash or an invalid draft never leaves a half-written export where a server would find it.
+``validate`` lists every problem it finds (empty = valid); ``load`` refuses anything ``validate`` rejects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from draftlab.methods.dflash.config import DFlashConfig, default_taps
+from draftlab.methods.dflash.model import DFlashDraft
+from draftlab.methods.eagle3.config import rope_from_hf_config
+from draftlab.targets.base import LayerConvention
+
+ARCHITECTURE = "DFlashDraftModel"
+MODEL_TYPE = "qwen3"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+DRAFTLAB_BLOCK = "draftlab"
+DRAFTLAB_BLOCK_VERSION = 1
+DEFAULT_MAX_POSITION_EMBEDDINGS = 32768
+# Keys a careless export would carry: the target's own tensors, which the format leaves out.
+_TARGET_KEYS = ("embed_tokens.weight", "lm_head.weight", "embed_weight", "lm_head_weight")
+
+
+# ------------------------------------------------------------------------------------------------------
+# layout
+
+
+def expected_shapes(c: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a DFlash export with ``c`` and its shape."""
+    d, ff, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    q_out, kv_out = c.num_heads * hd, c.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (d, c.num_taps * d), "hidden_norm.weight": (d,),
+                                          "norm.weight": (d,)}
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q_out, d),
+            p + "self_attn.k_proj.weight": (kv_out, d),
+            p + "self_attn.v_proj.weight": (kv_out, d),
+            p + "self_attn.o_proj.weight": (d, q_out),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (ff, d),
+            p + "mlp.up_proj.weight": (ff, d),
+            p + "mlp.down_proj.weight": (d, ff),
+        })
+    return shapes
+
+
+def _target_info(target) -> dict[str, Any]:
+    cfg = getattr(getattr(target, "model", None), "config", None)
+    if cfg is None:
+        return {}
+    keys = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    info = {k: getattr(cfg, k, None) for k in keys}
+    info["name"] = getattr(target, "name", None) or getattr(cfg, "_name_or_path", None)
+    return {k: v for k, v in info.items() if v is not None}
+
+
+def hf_config(c: DFlashConfig, *, torch_dtype: str, target=None, max_position_embeddings: int | None = None
+              ) -> dict[str, Any]:
+    """The ``config.json`` dict of a draft with config ``c`` (``target``: where positions / token ids come from)."""
+    info = _target_info(target)
+    taps = c.taps_in(LayerConvention.OUTPUT_OF)
+    rope_parameters = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": c.num_layers,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": rope_parameters,
+        "max_position_embeddings": int(max_position_embeddings or info.get("max_position_embeddings")
+                                       or DEFAULT_MAX_POSITION_EMBEDDINGS),
+        "vocab_size": c.vocab_size,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        # Block rows attend bidirectionally; every layer is full attention.
+        "is_causal": False,
+        "layer_types": ["full_attention"] * c.num_layers,
+        "use_sliding_window": False,
+        "use_cache": False,
+        "torch_dtype": torch_dtype,
+        "num_target_layers": c.num_target_layers,
+        "block_size": c.block_size,
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": taps, "block_size": c.block_size},
+    }
+    if c.rope_scaling:
+        out["rope_scaling"] = dict(c.rope_scaling)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in info:
+            out[key] = info[key]
+    out[DRAFTLAB_BLOCK] = {"version": DRAFTLAB_BLOCK_VERSION, "dflash_config": c.to_dict(),
+                           "target_layer_ids_convention": LayerConvention.OUTPUT_OF.value, "verifier": info.get("name")}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# save
+
+
+def save(draft: DFlashDraft, out_dir: str | Path, *, target=None, dtype: str | torch.dtype | None = None,
+         max_position_embeddings: int | None = None) -> Path:
+    """Write ``draft`` as a DFlash HF directory at ``out_dir`` (atomically, validated) and return it.
+
+    dtype      cast the floating weights (None keeps the draft's); ``target`` supplies
+               ``max_position_embeddings`` and token ids, and is checked against the draft.
+    """
+    from safetensors.torch import save_file
+
+    from draftlab.targets.hf import resolve_dtype
+
+    cast = resolve_dtype(dtype) if dtype is not None else None
+    tensors = {}
+    for key, t in draft.state_dict().items():
+        t = t.detach().to("cpu")
+        # clone: safetensors refuses views into larger storages.
+        tensors[key] = (t.to(cast) if cast is not None and t.is_floating_point() else t).contiguous().clone()
+    torch_dtype = str(tensors["fc.weight"].dtype).removeprefix("torch.")
+    config = hf_config(draft.config, torch_dtype=torch_dtype, target=target,
+                       max_position_embeddings=max_position_embeddings)
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        problems = validate(tmp, target=target)
+        if problems:
+            raise ValueError(f"refusing to write an invalid DFlash export to {out}:\n  - " + "\n  - ".join(problems))
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# validate
+
+
+def _int(cfg: dict, key: str, problems: list[str], *, where: str = "config.json", minimum: int = 1) -> int | None:
+    v = cfg.get(key)
+    if v is None:
+        problems.append(f"{where} lacks '{key}'")
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        problems.append(f"{where} '{key}' must be an integer >= {minimum}, got {v!r}")
+        return None
+    return v
+
+
+def config_from_hf(cfg: dict[str, Any]) -> DFlashConfig:
+    """A ``DFlashConfig`` from a ``config.json`` dict: the draftlab block if present, else the plain keys.
+
+    Plain (z-lab) configs name their taps in ``dflash_config.target_layer_ids`` (output_of), falling back
+    to DFlash's defaults for ``num_target_layers`` and the draft depth, as the reference loader does.
+    """
+    block = cfg.get(DRAFTLAB_BLOCK)
+    if isinstance(block, dict) and isinstance(block.get("dflash_config"), dict):
+        return DFlashConfig.from_dict(dict(block["dflash_config"]))
+    dc = cfg.get("dflash_config") or {}
+    d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    layers = int(cfg["num_hidden_layers"])
+    n_target = int(cfg.get("num_target_layers") or 0)
+    taps = dc.get("target_layer_ids", cfg.get("target_layer_ids"))
+    if taps is None:
+        taps = default_taps(n_target, layers)
+    rope_theta, rope_scaling = rope_from_hf_config(SimpleNamespace(**cfg))
+    return DFlashConfig(
+        hidden_size=d, intermediate_size=int(cfg["intermediate_size"]), num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or d // heads),
+        vocab_size=int(cfg["vocab_size"]), num_layers=layers,
+        block_size=int(dc.get("block_size", cfg.get("block_size", 16))), mask_token_id=int(dc["mask_token_id"]),
+        target_layer_ids=list(taps), layer_convention=LayerConvention.OUTPUT_OF.value, num_target_layers=n_target,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
+    )
+
+
+def _check_config(cfg: dict[str, Any], problems: list[str]) -> DFlashConfig | None:
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list) or ARCHITECTURE not in archs:
+        problems.append(f"config.json 'architectures' must list '{ARCHITECTURE}', got {archs!r}")
+    if cfg.get("model_type") != MODEL_TYPE:
+        problems.append(f"config.json 'model_type' must be '{MODEL_TYPE}' (DFlash layers are Qwen3 layers), "
+                        f"got {cfg.get('model_type')!r}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"config.json 'hidden_act' must be 'silu' (SGLang's DFlash MLP), got {cfg.get('hidden_act')!r}")
+    sizes = {k: _int(cfg, k, problems) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                 "num_key_value_heads", "head_dim", "num_hidden_layers", "vocab_size")}
+    heads, kv = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if heads and kv and heads % kv:
+        problems.append(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv})")
+    n_target = _int(cfg, "num_target_layers", problems)
+    dc = cfg.get("dflash_config")
+    if not isinstance(dc, dict):
+        problems.append("config.json lacks the 'dflash_config' object (mask_token_id, target_layer_ids, block_size)")
+        return None
+    where = "dflash_config"
+    mask = dc.get("mask_token_id")
+    if not isinstance(mask, int) or isinstance(mask, bool):
+        problems.append(f"dflash_config 'mask_token_id' must be an integer, got {mask!r}")
+    elif sizes["vocab_size"] and not 0 <= mask < sizes["vocab_size"]:
+        problems.append(f"dflash_config 'mask_token_id' {mask} is outside the vocabulary [0, {sizes['vocab_size']})")
+    taps = dc.get("target_layer_ids")
+    if not isinstance(taps, list) or not taps or not all(isinstance(i, int) and not isinstance(i, bool) for i in taps):
+        problems.append(f"dflash_config 'target_layer_ids' must be a non-empty list of integers, got {taps!r}")
+    elif n_target and any(not 0 <= i < n_target for i in taps):
+        problems.append(f"dflash_config 'target_layer_ids' {taps} are not all layers of a {n_target}-layer target")
+    block = _int(dc, "block_size", problems, where=where, minimum=2)
+    if block is not None and cfg.get("block_size", block) != block:
+        problems.append(f"top-level block_size {cfg.get('block_size')} disagrees with dflash_config block_size {block}")
+    if problems:
+        return None
+    try:
+        c = config_from_hf(cfg)
+    except (KeyError, TypeError, ValueError) as e:
+        problems.append(f"config.json does not describe a DFlash draft: {e}")
+        return None
+    # The draftlab block must describe the same draft as the keys engines read.
+    seen = {"hidden_size": sizes["hidden_size"], "intermediate_size": sizes["intermediate_size"],
+            "num_heads": heads, "num_kv_heads": kv, "head_dim": sizes["head_dim"],
+            "num_layers": sizes["num_hidden_layers"], "vocab_size": sizes["vocab_size"],
+            "num_target_layers": n_target, "mask_token_id": mask, "block_size": block}
+    for k, v in seen.items():
+        if getattr(c, k) != v:
+            problems.append(f"draftlab block {k}={getattr(c, k)} disagrees with config.json ({v})")
+    if c.taps_in(LayerConvention.OUTPUT_OF) != taps:
+        problems.append(f"draftlab block taps {c.taps_in(LayerConvention.OUTPUT_OF)} (output_of) disagree with "
+                        f"dflash_config target_layer_ids {taps}")
+    return c
+
+
+def _check_weights(path: Path, c: DFlashConfig, torch_dtype: str | None, problems: list[str]) -> None:
+    from safetensors import safe_open
+
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        problems.append(f"no {WEIGHTS_FILE} in {path}")
+        return
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several unrelated types for damaged files
+        problems.append(f"cannot read {file}: {e}")
+        return
+    expected = expected_shapes(c)
+    for k in sorted(set(tensors) - set(expected)):
+        why = (" (the target's embedding / LM head must not be exported: engines use the target's own)"
+               if k.endswith(_TARGET_KEYS) else "")
+        problems.append(f"unexpected tensor '{k}'{why}")
+    for k in sorted(set(expected) - set(tensors)):
+        problems.append(f"missing tensor '{k}' {expected[k]}")
+    dtypes = set()
+    for k, shape in expected.items():
+        t = tensors.get(k)
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            problems.append(f"tensor '{k}' has shape {tuple(t.shape)}, the config needs {shape}")
+        elif not torch.isfinite(t.float()).all():
+            problems.append(f"tensor '{k}' holds non-finite values")
+        dtypes.add(str(t.dtype).removeprefix("torch."))
+    if len(dtypes) > 1:
+        problems.append(f"weights mix dtypes {sorted(dtypes)}")
+    elif torch_dtype and dtypes and dtypes != {torch_dtype}:
+        problems.append(f"config.json torch_dtype '{torch_dtype}' but the weights are {dtypes.pop()}")
+
+
+def _check_target(c: DFlashConfig, target, problems: list[str]) -> None:
+    g = target.geometry
+    if c.hidden_size != g.hidden_size:
+        problems.append(f"hidden_size {c.hidden_size} != the target's {g.hidden_size} (DFlash shares the target's "
+                        "embedding and LM head)")
+    if c.vocab_size != g.vocab_size:
+        problems.append(f"vocab_size {c.vocab_size} != the target's {g.vocab_size}")
+    if c.num_target_layers and c.num_target_layers != g.num_layers:
+        problems.append(f"num_target_layers {c.num_target_layers} != the target's {g.num_layers} layers")
+    bad = [i for i in c.taps_in(LayerConvention.OUTPUT_OF) if not 0 <= i < g.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} are not layers of the {g.num_layers}-layer target")
+
+
+def validate(path: str | Path, *, target=None) -> list[str]:
+    """Every problem an engine or the DFlash loader would hit with the export at ``path`` (empty = valid).
+
+    With ``target``, also checks that the draft fits it (width, vocabulary, depth of the taps).
+    """
+    path = Path(path)
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        return [f"no {CONFIG_FILE} in {path}"]
+    try:
+        cfg = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{file} is not valid JSON: {e}"]
+    if not isinstance(cfg, dict):
+        return [f"{file} must hold a JSON object"]
+    problems: list[str] = []
+    c = _check_config(cfg, problems)
+    if c is None:
+        return problems
+    _check_weights(path, c, cfg.get("torch_dtype") or cfg.get("dtype"), problems)
+    if target is not None:
+        _check_target(c, target, problems)
+    return problems
+
+
+def check_valid(path: str | Path, *, target=None) -> None:
+    """``validate`` that raises ``ValueError`` listing the problems."""
+    problems = validate(path, target=target)
+    if problems:
+        raise ValueError(f"{path} is not a valid DFlash export:\n  - " + "\n  - ".join(problems))
+
+
+# ------------------------------------------------------------------------------------------------------
+# load
+
+
+def load(path: str | Path, *, target, dtype: str | torch.dtype | None = None) -> DFlashDraft:
+    """The draft saved at ``path`` (validated first), sharing ``target``'s embedding and LM head.
+
+    ``dtype`` defaults to the file's. Weights load strictly.
+    """
+    from safetensors.torch import load_file
+
+    from draftlab.targets.hf import resolve_dtype
+
+    check_valid(path, target=target)
+    path = Path(path)
+    config = config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    draft = DFlashDraft(config)
+    draft.to(resolve_dtype(dtype) if dtype is not None else tensors["fc.weight"].dtype)
+    draft.load_state_dict(tensors, strict=True)
+    draft.share_target_weights(target)
+    return draft

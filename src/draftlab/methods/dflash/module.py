@@ -1,0 +1,151 @@
+"""DFlash training as a LightningModule: random-anchor blocks over a frozen target, online or offline.
+
+Feature modes (chosen per batch by what the batch holds):
+
+- **online**: tokens only; the frozen target runs inside the step under ``no_grad`` and returns the
+  tapped layers (``aux_layer_ids = draft.tapped_layers(target)``); its LM head is skipped, because
+  DFlash trains on the (target-regenerated) tokens themselves, not on target logits;
+- **offline**: the batch also holds ``aux [B, T, n_taps*d]`` read from a feature store (``data.py``).
+
+Checkpoints hold the draft's own weights only: the target is a plain attribute and the shared
+embedding / LM head are non-persistent buffers. ``dflash_config`` is stored beside the weights.
+
+Metrics: ``train/loss`` and ``train/acc_k`` (block slot k = 1..B-1) per step; validation sums
+numerators and denominators over the split (and ranks) and reports ``val/loss``, ``val/acc_k``,
+``val/cond_acc_k`` and ``val/simulated_tau`` = 1 + sum_k prod_{j<=k} cond_acc_j, the expected tokens
+per verify round of the greedy block chain (bonus included) on held-out data: the checkpoint metric.
+Validation anchors come from a fixed-seed generator, so every epoch scores the same blocks.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import lightning as L
+import torch
+
+from draftlab.methods.dflash.blocks import SUMMED, block_logits, block_loss, make_blocks
+from draftlab.methods.dflash.config import DFlashConfig, default_gamma
+from draftlab.methods.dflash.model import DFlashDraft
+from draftlab.methods.eagle3.module import cosine_with_warmup
+from draftlab.methods.eagle3.ttt import simulated_tau
+
+
+class DFlashModule(L.LightningModule):
+    """Trains a :class:`DFlashDraft` against a frozen target (see the module docstring).
+
+    draft         the draft (sharing the target's embedding and LM head).
+    target        a ``draftlab.targets.Target`` for online batches; None when every batch is offline.
+    num_anchors   blocks per sequence (the paper: 512 on GPUs; a few dozen on CPU).
+    gamma         loss decay ``w_k = exp(-(k-1)/gamma)``; None = the paper's value for the block size.
+    optimizer     a partial ``torch.optim`` constructor (Hydra ``_partial_: true``); default AdamW(6e-4).
+    warmup_ratio  fraction of the run's optimiser steps in linear warm-up before cosine decay.
+    val_seed      seed of the validation anchors.
+    """
+
+    def __init__(self, draft: DFlashDraft, target=None, *, num_anchors: int = 32, gamma: float | None = None,
+                 optimizer=None, warmup_ratio: float = 0.04, min_lr_ratio: float = 0.0,
+                 total_steps: int | None = None, val_seed: int = 0):
+        super().__init__()
+        self.draft = draft
+        self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
+        self.num_anchors = int(num_anchors)
+        self.gamma = float(gamma) if gamma is not None else default_gamma(draft.config.block_size)
+        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        self.warmup_ratio = warmup_ratio
+        self.min_lr_ratio = min_lr_ratio
+        self.total_steps = total_steps
+        self.val_seed = val_seed
+        self._val: dict[str, torch.Tensor] | None = None
+        self._val_gen: torch.Generator | None = None
+        self.save_hyperparameters(ignore=["draft", "target", "optimizer"])
+
+    # ---- features and the block loss -------------------------------------------------------------------
+
+    def target_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``aux [B, T, n_taps*d]``: stored in the batch (offline) or computed by the frozen target (online)."""
+        if "aux" in batch:
+            return batch["aux"]
+        if self.target is None:
+            raise RuntimeError("online batch (tokens only) but the module has no target")
+        with torch.no_grad():
+            # Right padding + causal attention: padded rows never reach real ones. No LM head (empty rows).
+            out = self.target.forward(batch["input_ids"], return_aux=True,
+                                      aux_layer_ids=self.draft.tapped_layers(self.target),
+                                      logits_rows=torch.arange(0, device=batch["input_ids"].device))
+        return out.aux_hidden
+
+    def block_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None):
+        """Sample blocks for ``batch`` and return the ``BlockOutput`` (loss + per-slot sums)."""
+        c = self.draft.config
+        aux = self.target_features(batch)
+        blocks = make_blocks(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], block_size=c.block_size,
+                             mask_token_id=c.mask_token_id, num_anchors=self.num_anchors, generator=generator)
+        return block_loss(block_logits(self.draft, aux, blocks), blocks, self.gamma)
+
+    # ---- steps -----------------------------------------------------------------------------------------
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.block_step(batch)
+        s = out.per_slot
+        acc = s["correct"] / s["count"].clamp_min(1.0)  # [bs-1]
+        logs = {"train/loss": out.loss.detach()}
+        logs.update({f"train/acc_{k}": acc[k - 1].float() for k in range(1, acc.numel() + 1)})
+        bs = batch["input_ids"].shape[0]
+        self.log_dict(logs, batch_size=bs)
+        self.log("train/acc_1_bar", acc[0].float(), batch_size=bs, prog_bar=True, logger=False)
+        return out.loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val = None
+        self._val_gen = torch.Generator().manual_seed(self.val_seed)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if self._val_gen is None:
+            self.on_validation_epoch_start()
+        out = self.block_step(batch, self._val_gen)
+        sums = {**{k: v.detach() for k, v in out.per_slot.items()},
+                "loss_sum": out.loss_sum.detach().double()[None], "weight_sum": out.weight_sum.detach().double()[None]}
+        self._val = sums if self._val is None else {k: self._val[k] + v for k, v in sums.items()}
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val is None:
+            return
+        names = [*SUMMED, "loss_sum", "weight_sum"]
+        K = self._val["correct"].numel()
+        flat = torch.cat([self._val[n].reshape(-1) for n in names]).to(self.device)
+        # Sum numerators and denominators across ranks, then divide (averaging ratios would be wrong).
+        flat = self.trainer.strategy.reduce(flat, reduce_op="sum").cpu()
+        parts = dict(zip(SUMMED, flat[: 4 * K].view(4, K)))
+        acc = (parts["correct"] / parts["count"].clamp_min(1.0)).tolist()
+        cond = (parts["cond_correct"] / parts["cond_count"].clamp_min(1.0)).tolist()
+        logs = {"val/loss": float(flat[4 * K] / flat[4 * K + 1].clamp_min(1e-12))}
+        for k in range(1, K + 1):
+            logs[f"val/acc_{k}"] = acc[k - 1]
+            logs[f"val/cond_acc_{k}"] = cond[k - 1]
+        logs["val/simulated_tau"] = simulated_tau(cond)
+        self.log_dict(logs, sync_dist=False)
+        self._val = None
+
+    # ---- optimisation ----------------------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        opt = self.optimizer_factory(params)
+        total = self.total_steps or int(self.trainer.estimated_stepping_batches)
+        warmup = int(round(self.warmup_ratio * total))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, partial(cosine_with_warmup, warmup_steps=warmup, total_steps=total, min_ratio=self.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---- checkpoints: draft weights only ---------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["dflash_config"] = self.draft.config.to_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("dflash_config")
+        if saved is not None and DFlashConfig.from_dict(saved) != self.draft.config:
+            raise ValueError("checkpoint was trained with a different DFlash config:\n"
+                             f"  checkpoint: {saved}\n  this run:   {self.draft.config.to_dict()}")
