@@ -29,7 +29,7 @@ from analysis.results import (
     sort_key,
 )
 
-LAYOUTS = ("table1", "table4", "table6")
+LAYOUTS = ("table1", "table4", "table6", "methods")
 METRIC_NAMES = {"tau": ("τ", r"$\tau$"), "speedup": ("SR", "SR")}
 MISSING_MD = "–"
 MISSING_TEX = "--"
@@ -142,6 +142,14 @@ def build_table(
 
         def keyed(r: Record):
             return (r.temperature,), (r.label, r.temperature), rank[r.label]
+    elif layout == "methods":
+        # Methods with different knobs side by side (a tree budget for EAGLE-3, a block size for DFlash):
+        # each row is one method at one setting of the axes its config declares.
+        key_headers, metrics = ["Method", "Setting", "T"], ["tau", "speedup"]
+
+        def keyed(r: Record):
+            setting = setting_text(r)
+            return (r.temperature,), (r.label, setting, r.temperature), (rank[r.label], *r.axes.values())
     else:
         key_headers, metrics = ["Length", "Nodes", "T"], ["tau"]
         skipped = [r for r in rs if r.ttt_length is None]
@@ -164,7 +172,8 @@ def build_table(
     for r in rs:
         group, key, within = keyed(r)
         merged.setdefault(key, []).append(r)
-        placement[key] = (tuple(sort_key(g) for g in group), sort_key(within))
+        within = tuple(sort_key(w) for w in within) if isinstance(within, tuple) else sort_key(within)
+        placement[key] = (tuple(sort_key(g) for g in group), within)
     table = Table(layout, key_headers, metrics, list(TABLE_COLUMNS), precision=precision)
     for key in sorted(merged, key=lambda k: placement[k]):
         group_records = merged[key]
@@ -178,6 +187,11 @@ def build_table(
                  for h, k in zip(key_headers, key)]
         table.rows.append(Row(group=group, keys=cells, values=values, n_runs=len(group_records)))
     return table
+
+
+def setting_text(r: Record) -> str:
+    """``name=value`` for every axis of the record's method, in declaration order (``methods`` layout)."""
+    return ", ".join(f"{k}={v}" for k, v in r.axes.items()) or "-"
 
 
 def _md_escape(text: str) -> str:
@@ -269,7 +283,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", type=Path, help="sweep or run directories, or record.json files")
     p.add_argument("--layout", choices=LAYOUTS, default="table1",
                    help="table1: Method x Nodes x T (Tables 1-3); table4: ablation rows by label; "
-                        "table6: rows by training (TTT) length, tau only")
+                        "table6: rows by training (TTT) length, tau only; methods: Method x its own axes x T "
+                        "(methods with different knobs side by side)")
     p.add_argument("--format", choices=("markdown", "latex", "both"), default="markdown")
     p.add_argument("--out", type=Path, help="output file; with --format both, FILE.md and FILE.tex")
     p.add_argument("--cell", choices=("split", "joint"), default="split",

@@ -5,7 +5,10 @@
 (a) draftlab AR tokens/s vs HF ``generate`` (greedy, same prompts, same number of new tokens), fp32 and bf16;
 (b) cost of one verify pass with k tree nodes relative to one AR step, k in {1,2,4,...,64} -> verify_cost.json;
 (c) prompt-lookup speculative decoding vs HF assisted generation with ``prompt_lookup_num_tokens`` on
-    Spec-Bench summarization and extraction prompts: tau (tokens per target pass) and tokens/s of both.
+    Spec-Bench summarization and extraction prompts: tau (tokens per target pass) and tokens/s of both;
+(d) ConFu's verify pass with its soft prompts as rows of every pass vs pinned keys computed once
+    (``ConFuDrafter(cache_soft_prompts=...)``): pass cost for trees of k nodes (+ k contemplate rows), and
+    end-to-end decoding with both drafter modes (identical outputs required) -> confu_verify_cost.json.
 Each row interleaves the systems prompt by prompt, so machine noise hits both alike.
 """
 
@@ -101,29 +104,31 @@ def part_a(target, prompts, n, label):
             "identical": same, "prompts": len(prompts), "weight_stream_bound_tok_s": 1 / floor}
 
 
+def timed(reps, fn) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 def part_b(target, prompt, ks, reps=9):
     cache = target.new_cache(1, len(prompt) + 256)
     target.forward(torch.tensor([prompt]), cache=cache)
     cache.commit(len(prompt))
     past = cache.length
 
-    def timed(fn):
-        fn()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    step = timed(lambda: target.forward(torch.tensor([[prompt[-1]]]), cache=cache))
+    step = timed(reps, lambda: target.forward(torch.tensor([[prompt[-1]]]), cache=cache))
     rows = []
     for k in ks:
         # A balanced-ish tree: node i hangs under node (i-1)//2; the mask and positions are what the engine uses.
         parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)])
         tree = DraftTree.from_parents(torch.tensor(prompt[:k] if len(prompt) >= k else [prompt[-1]] * k), parents)
         mask = torch.cat([torch.ones(k, past, dtype=torch.bool), ancestor_mask(tree.parents)], 1)
-        t = timed(lambda tree=tree, mask=mask: target.forward(tree.tokens[None], past + tree.depth, cache, mask))
+        t = timed(reps, lambda tree=tree, mask=mask: target.forward(tree.tokens[None], past + tree.depth, cache, mask))
         rows.append({"nodes": k, "seconds": t, "relative_to_ar_step": t / step})
     print("(b) verify pass cost relative to one AR step: " +
           "  ".join(f"k={r['nodes']}: {r['relative_to_ar_step']:.2f}x" for r in rows) + f"  (AR step {step * 1e3:.1f} ms)")
@@ -158,6 +163,80 @@ def part_c(target, prompts, n, num_draft):
     return out
 
 
+def part_d(target, prompts, n, ks=(9, 31, 61), soft=16, reps=7):
+    """(d) ConFu verify passes: soft prompts as rows vs pinned (same tree, same contemplate rows)."""
+    from draftlab.methods.confu import ConFuDraft, ConFuDrafter
+    from draftlab.methods.confu.contemplate import soft_prompt_kv, verify_extra_rows
+
+    torch.manual_seed(0)
+    draft = ConFuDraft.from_target(target, draft_vocab_size=8192, num_soft_prompts=soft).eval()
+    prompt = prompts[0]
+    d = target.geometry.hidden_size
+    cache = target.new_cache(1, len(prompt) + 2 * max(ks) + soft + 8)
+    target.forward(torch.tensor([prompt]), cache=cache)
+    cache.commit(len(prompt))
+    past = cache.length
+    pinned = soft_prompt_kv(target, draft.soft_prompts.detach())
+    con = torch.randn(d) * 0.02
+
+    def verify_pass(tree, extra):
+        ids_emb = torch.cat([target.embed(tree.tokens[None])[0], extra.embeds.to(target.dtype)])[None]
+        r = extra.num_rows
+        tm = torch.cat([torch.cat([ancestor_mask(tree.parents), torch.zeros(tree.size, r, dtype=torch.bool)], 1),
+                        extra.tree_mask], 0)
+        mask = torch.cat([torch.ones(tm.shape[0], past, dtype=torch.bool), tm], 1)
+        if extra.sees_prefix is not None:
+            mask[tree.size:, :past] = extra.sees_prefix[:, None]
+        pos = torch.cat([past + tree.depth, extra.position_ids])
+        kw = {}
+        if extra.pinned is not None:
+            pm = torch.cat([torch.zeros(tree.size, extra.pinned.num_rows, dtype=torch.bool),
+                            torch.ones(r, extra.pinned.num_rows, dtype=torch.bool)])
+            kw = {"pinned": extra.pinned, "pinned_mask": pm}
+        return lambda: target.forward(None, pos, cache, mask, input_embeds=ids_emb, return_aux=True,
+                                      aux_layer_ids=draft.tapped_layers(target),
+                                      logits_rows=torch.arange(tree.size), **kw)
+
+    step = timed(reps, lambda: target.forward(torch.tensor([[prompt[-1]]]), cache=cache))
+    rows = []
+    for k in ks:
+        parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)])
+        tree = DraftTree.from_parents(torch.tensor([prompt[-1]] * k), parents)
+        as_rows = verify_extra_rows(draft.soft_prompts.detach(), con, tree.parents, tree.depth, past)
+        as_pinned = verify_extra_rows(pinned, con, tree.parents, tree.depth, past)
+        t_rows, t_pinned = timed(reps, verify_pass(tree, as_rows)), timed(reps, verify_pass(tree, as_pinned))
+        rows.append({"nodes": k, "rows_soft_as_rows": k + as_rows.num_rows, "rows_pinned": k + as_pinned.num_rows,
+                     "seconds_soft_as_rows": t_rows, "seconds_pinned": t_pinned, "speedup": t_rows / t_pinned,
+                     "soft_as_rows_vs_ar": t_rows / step, "pinned_vs_ar": t_pinned / step})
+    print("(d) ConFu verify pass, soft prompts as rows -> pinned (x AR step): " + "  ".join(
+        f"k={r['nodes']}: {r['soft_as_rows_vs_ar']:.2f} -> {r['pinned_vs_ar']:.2f} ({r['speedup']:.2f}x)" for r in rows)
+        + f"  (AR step {step * 1e3:.1f} ms, {soft} soft prompts)")
+    e2e = {}
+    cfg = GenerationConfig(max_new_tokens=n, stop_on_eos=False)
+    outs = {}
+    for cached in (False, True, False, True):  # interleaved, twice
+        drafter = ConFuDrafter(draft, top_k=10, depth=5, total_tokens=30, cache_soft_prompts=cached)
+        for p in prompts:
+            out, st = speculative_generate(target, p, drafter, cfg)
+            outs.setdefault((cached, tuple(p)), out)
+            e = e2e.setdefault("pinned" if cached else "soft_as_rows", {"verify_s": 0.0, "rounds": 0, "wall_s": 0.0, "tokens": 0})
+            e["verify_s"] += sum(st.verify_times)
+            e["rounds"] += st.rounds
+            e["wall_s"] += st.wall_time
+            e["tokens"] += st.new_tokens
+    same = sum(outs[(True, tuple(p))] == outs[(False, tuple(p))] for p in prompts)
+    for e in e2e.values():
+        e["verify_ms_per_round"] = 1e3 * e["verify_s"] / max(1, e["rounds"])
+        e["tok_s"] = e["tokens"] / e["wall_s"]
+    a, b = e2e["soft_as_rows"], e2e["pinned"]
+    print(f"(d) ConFu decoding (30-node trees, untrained draft, {len(prompts)} prompts x {n} tokens, twice): "
+          f"verify {a['verify_ms_per_round']:.1f} -> {b['verify_ms_per_round']:.1f} ms/round "
+          f"({a['verify_ms_per_round'] / b['verify_ms_per_round']:.2f}x), {a['tok_s']:.2f} -> {b['tok_s']:.2f} tok/s, "
+          f"identical outputs {same}/{len(prompts)}")
+    return {"ar_step_seconds": step, "soft_prompts": soft, "passes": rows, "decoding": e2e, "identical": same,
+            "prompts": len(prompts)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=6)
@@ -187,7 +266,15 @@ def main() -> None:
     if "c" in args.parts:
         sx = [chat_ids(tok, q.turns[0], args.max_prompt) for q in pick(qs, ["summarization", "extraction"], max(1, args.prompts // 2))]
         report["c"] = part_c(target, sx, args.new_tokens, num_draft=10)
+    if "d" in args.parts:
+        report["d"] = part_d(target, mixed[:2], min(args.new_tokens, 32))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "confu_verify_cost.json").write_text(json.dumps(report["d"], indent=2))
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.parts != "abc":  # a partial run must not overwrite the full report
+        Path(args.out, f"results_{args.parts}.json").write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}/results_{args.parts}.json")
+        return
     Path(args.out, "results.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}/results.json")
 

@@ -116,3 +116,21 @@ def test_label_order_and_dash_labels(ablation_sweep, capsys):
                  "--temperature", "0"]) == 0
     rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines()[2:]]
     assert rows == ["-MoE", "ConFu"]
+
+
+def test_methods_layout_keeps_each_methods_own_axes(tmp_path, capsys):
+    """DFlash rows (axis block_size) next to EAGLE-3 rows (axis nodes): one row per method and setting,
+    block sizes in numeric order, nothing averaged across settings; table1 would merge the DFlash rows."""
+    recs = [make_record(label="EAGLE-3", nodes=8, temperature=0.0, cols=columns(1.3, 0.6))]
+    for b, tau in ((16, 1.05), (4, 1.1), (8, 1.2)):
+        rec = make_record(label="DFlash", nodes=None, temperature=0.0, cols=columns(tau, 0.5))
+        rec["eval"]["axes"] = {"block_size": b, "draft_layers": 2}
+        recs.append(rec)
+    root = write_sweep(tmp_path / "cmp", recs)
+    out = _run(capsys, root, "--layout", "methods", "--label", "EAGLE-3", "--label", "DFlash")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and ("DFlash" in line or "EAGLE-3" in line)]
+    assert [r.split("|")[2].strip() for r in rows] == [
+        "nodes=8", "block_size=4, draft_layers=2", "block_size=8, draft_layers=2", "block_size=16, draft_layers=2"]
+    assert "1.20" in rows[2] and "1.10" in rows[1]  # WRIT τ of block 8 / block 4, unaveraged
+    merged = build_table(load_records(root, kind="eval"), "table1")
+    assert sum(r.keys[0] == "DFlash" for r in merged.rows) == 1  # why the layout exists

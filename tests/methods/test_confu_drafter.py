@@ -78,8 +78,9 @@ class _CheckingTarget:
         n = (input_embeds.shape[1] - self.num_soft) // 2
         past = cache.length
         # The tree rows alone, as a pass without contemplate rows would run them.
+        plain_kw = {k: v for k, v in kw.items() if k not in ("pinned", "pinned_mask")}  # tree rows see none
         plain = self.target.forward(None, position_ids[:n], cache, attn_mask[:n, :past + n],
-                                    input_embeds=input_embeds[:, :n], **kw)
+                                    input_embeds=input_embeds[:, :n], **plain_kw)
         k_plain = cache.k[:, :, :, past:past + n].clone()
         out = self.target.forward(None, position_ids, cache, attn_mask, input_embeds=input_embeds, **kw)
         errs = [(out.logits[0, :n] - plain.logits[0]).abs().max(),
@@ -91,10 +92,11 @@ class _CheckingTarget:
         return out
 
 
+@pytest.mark.parametrize("cached", [True, False])
 @pytest.mark.parametrize("kernel", ["grouped", "default"])
 @pytest.mark.parametrize("top_k, depth, total_tokens, soft", [(4, 4, 16, 4), (10, 5, 60, 16)])
 def test_contemplate_rows_leave_normal_rows_untouched(tiny_target, trained, top_k, depth, total_tokens, soft, kernel,
-                                                      monkeypatch):
+                                                      cached, monkeypatch):
     """Normal rows' logits, aux states and cached keys are those of the same pass without contemplate rows.
 
     Under one attention kernel they agree to <= 1e-5 (in fact bit for bit). With the target's default
@@ -109,13 +111,13 @@ def test_contemplate_rows_leave_normal_rows_untouched(tiny_target, trained, top_
         draft.soft_prompts = torch.nn.Parameter(draft.soft_prompts.repeat(soft // draft.soft_prompts.shape[0], 1))
     if kernel == "grouped":
         monkeypatch.setattr(hf_target, "_GROUPED_ATTENTION_MAX_ROWS", 10**6)
-    checking = _CheckingTarget(tiny_target, soft)
-    drafter = ConFuDrafter(draft, top_k=top_k, depth=depth, total_tokens=total_tokens)
+    checking = _CheckingTarget(tiny_target, 0 if cached else soft)
+    drafter = ConFuDrafter(draft, top_k=top_k, depth=depth, total_tokens=total_tokens, cache_soft_prompts=cached)
     prompt = TRAIN_PROMPTS[0]
     out, stats = speculative_generate(checking, prompt, drafter, _cfg(drafter, 24))
     assert checking.checked >= 3
     assert out == trained.refs[tuple(prompt)][:24]
-    if kernel == "grouped" or 2 * max(stats.tree_sizes) + soft <= 128:
+    if kernel == "grouped" or 2 * max(stats.tree_sizes) + (0 if cached else soft) <= 128:
         assert checking.max_err <= 1e-5, checking.max_err
     else:
         assert checking.max_rel <= 1e-5, checking.max_rel
@@ -125,9 +127,27 @@ def test_contemplate_rows_leave_normal_rows_untouched(tiny_target, trained, top_
 
 
 class _Recording(ConFuDrafter):
-    # Records the draft's log-probs at every anchor row and at every tree row it grows.
+    # Records the draft's log-probs at every anchor row and at every tree row it grows (by wrapping the
+    # composed drafter's ``DraftRows.run``: tree rows are the ones that run while ``propose`` is on).
 
     def reset(self, state):
+        rows = self.tree.rows
+        if "run" not in vars(rows):
+            run = rows.run
+
+            def recording(ids, hidden, positions, mask=None, side=None):
+                past = rows.cache.length
+                h, logp = run(ids, hidden, positions, mask, side)
+                if self._growing:  # provisional slots lie past the committed rows
+                    committed, tokens, out = self.rounds[-1]
+                    for j, tok in enumerate(ids.tolist()):
+                        tokens[past + j] = tok
+                    for j in range(ids.shape[0]):
+                        out.append(([tokens[int(c)] for c in mask[j].nonzero().flatten() if c > committed], logp[j]))
+                return h, logp
+
+            rows.run = recording
+        self._growing = False
         super().reset(state)
         self.roots = [(self.num_committed - 1, self.root_logprobs.clone())]
         self.rounds = []  # per round: (anchor row, {slot: token}, [(token path from the root, log-probs)])
@@ -138,18 +158,11 @@ class _Recording(ConFuDrafter):
 
     def propose(self, state):
         self.rounds.append((self.num_committed - 1, {}, []))
-        return super().propose(state)
-
-    def _run(self, ids, hidden, positions, mask=None):
-        slot, past = self._future_slot, self.cache.length
-        h, logp = super()._run(ids, hidden, positions, mask)
-        if slot is not None:  # a tree row: provisional slots lie after the future slot
-            _, tokens, rows = self.rounds[-1]
-            for j, tok in enumerate(ids.tolist()):
-                tokens[past + j] = tok
-            for j in range(ids.shape[0]):
-                rows.append(([tokens[int(c)] for c in mask[j].nonzero().flatten() if c > slot], logp[j]))
-        return h, logp
+        self._growing = True
+        try:
+            return super().propose(state)
+        finally:
+            self._growing = False
 
 
 def _training_log_probs(module, seq, anchors, lags) -> list[torch.Tensor]:
@@ -211,3 +224,43 @@ def test_the_contemplate_path_feeds_the_draft(tiny_target, trained):
     out_b, _ = speculative_generate(tiny_target, prompt, b, _cfg(b, 20))
     assert out_a == out_b == greedy(tiny_target, prompt, 20)
     assert not torch.allclose(a.roots[0][1], b.roots[0][1], atol=1e-3)
+
+
+class _RowCounter:
+    # Records the number of rows of every verify pass that carries extra rows.
+
+    def __init__(self, target):
+        self.target, self.rows = target, []
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def forward(self, *args, input_embeds=None, **kw):
+        if input_embeds is not None and len(args) > 3 and args[3] is not None:  # a verify pass (tree mask)
+            self.rows.append(input_embeds.shape[1])
+        return self.target.forward(*args, input_embeds=input_embeds, **kw)
+
+
+def test_pinned_soft_prompts_compute_what_soft_prompt_rows_compute(tiny_target, trained):
+    """Soft prompts pinned (keys once per draft) or run as rows of every verify pass: the same drafts, the
+    same futures (draft log-probs at every anchor), and s fewer rows per verify pass."""
+    prompt = TRAIN_PROMPTS[1]
+    runs = {}
+    for cached in (True, False):
+        counter = _RowCounter(tiny_target)
+        drafter = _Recording(trained.draft, top_k=4, depth=4, total_tokens=16, cache_soft_prompts=cached)
+        # One drafter for two sequences: the second starts from a clean draft cache.
+        first, _ = speculative_generate(counter, TRAIN_PROMPTS[0], drafter, _cfg(drafter, 12))
+        assert first == trained.refs[tuple(TRAIN_PROMPTS[0])][:12]
+        counter.rows.clear()
+        out, stats = speculative_generate(counter, prompt, drafter, _cfg(drafter, 24))
+        runs[cached] = (out, stats, drafter, counter.rows)
+    (out_c, st_c, d_c, rows_c), (out_r, st_r, d_r, rows_r) = runs[True], runs[False]
+    assert out_c == out_r == trained.refs[tuple(prompt)][:24]
+    assert st_c.accept_lengths == st_r.accept_lengths and d_c.anchors == d_r.anchors
+    for (a, lp_c), (b, lp_r) in zip(d_c.roots, d_r.roots, strict=True):
+        assert a == b
+        torch.testing.assert_close(lp_c, lp_r, rtol=0, atol=1e-5)
+    s = trained.draft.config.num_soft_prompts
+    assert rows_c and [r + s for r in rows_c] == rows_r
+    assert d_c.verify_rows(None) + s == d_r.verify_rows(None)

@@ -180,13 +180,13 @@ def test_lightning_fit_learns_and_checkpoints_the_confu_draft(tiny_target, tmp_p
     dm.setup()
     batch = next(iter(dm.train_dataloader()))
     torch.manual_seed(1)
-    before = float(module._ttt(batch).loss.detach())
+    before = float(module.loss(batch).loss.detach())
     soft_before = draft.soft_prompts.detach().clone()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=6, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp_path), num_sanity_val_steps=0)
     trainer.fit(module, datamodule=dm)
     torch.manual_seed(1)
-    after = float(module._ttt(batch).loss.detach())
+    after = float(module.loss(batch).loss.detach())
     assert after < 0.8 * before, (before, after)
     assert not torch.allclose(draft.soft_prompts, soft_before)
     opt = trainer.optimizers[0]
@@ -202,5 +202,5 @@ def test_lightning_fit_learns_and_checkpoints_the_confu_draft(tiny_target, tmp_p
     fresh.load_state_dict(ckpt["state_dict"])
     assert torch.equal(fresh.draft.soft_prompts, draft.soft_prompts)
     other = ConFuModule(_draft(tiny_target, n_experts=4), tiny_target)
-    with pytest.raises(ValueError, match="different ConFu config"):
+    with pytest.raises(ValueError, match="different ConFu draft config"):
         other.on_load_checkpoint(torch.load(ckpt_path, weights_only=False))

@@ -14,7 +14,8 @@ from draftlab.data.vocab import build_vocab_mapping, token_frequencies
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate
 from draftlab.methods.eagle3 import Eagle3Draft
 from draftlab.methods.eagle3.data import Eagle3DataModule
-from draftlab.methods.eagle3.module import Eagle3Module, cosine_with_warmup
+from draftlab.methods.eagle3.module import Eagle3Module
+from draftlab.training.schedule import cosine_with_warmup
 
 VD = 128
 
@@ -71,7 +72,7 @@ def test_online_and_offline_features_give_the_same_loss(tiny_target, tmp_path):
     b_off = next(iter(offline.train_dataloader()))
     assert torch.equal(b_on["input_ids"], b_off["input_ids"])
     assert "aux_hidden" in b_off and "aux_hidden" not in b_on
-    l_on, l_off = module._ttt(b_on), module._ttt(b_off)
+    l_on, l_off = module.loss(b_on), module.loss(b_off)
     assert torch.allclose(l_on.loss, l_off.loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(l_on.per_step, l_off.per_step):
         assert torch.allclose(a["acceptance_rate"], b["acceptance_rate"], atol=1e-5)
@@ -85,10 +86,10 @@ def test_training_learns_and_checkpoint_holds_only_the_draft(tiny_target, tmp_pa
     dm.setup()
     # Fitting the training data is what a few dozen steps can show; held-out gains need real data.
     batch = next(iter(dm.train_dataloader()))
-    before = float(module._ttt(batch).loss.detach())
+    before = float(module.loss(batch).loss.detach())
     assert before > 0
     trainer(tmp_path, max_epochs=8, enable_checkpointing=True).fit(module, datamodule=dm)
-    after = float(module._ttt(batch).loss.detach())
+    after = float(module.loss(batch).loss.detach())
     assert after < 0.8 * before, (before, after)
     ckpt_path = next(tmp_path.rglob("*.ckpt"))
     ckpt = torch.load(ckpt_path, weights_only=False)

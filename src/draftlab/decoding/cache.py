@@ -21,6 +21,9 @@ new common length.
 
 ``SparseView`` restricts what a pass reads: per layer, per KV head, the slots ``[Hkv, K]`` attention may see
 (besides the new rows themselves), for sparse-KV drafting.
+
+``PinnedKV`` holds keys/values of rows that belong to no sequence and never change (ConFu's soft prompts):
+computed once, then read by any pass that is given them, next to its cache, without occupying cache slots.
 """
 
 from __future__ import annotations
@@ -217,3 +220,26 @@ class SparseView:
             keep = keep & first.scatter(1, order, first)  # back to idx order: [Hkv, K]
         m = mask[:, 0][:, :, idx]  # [Bm, T, Hkv, K]
         return m.permute(0, 2, 1, 3) & keep[None, :, None, :]  # [Bm, Hkv, T, K]
+
+
+@dataclass
+class PinnedKV:
+    """Per-layer keys/values of ``P`` rows computed once and read by many passes (``Target.forward(pinned=)``).
+
+    Rows whose attention never reaches the sequence (they see only each other) have the same keys and
+    values in every pass, so re-running them each time is wasted work. Capture them once from a small
+    cache (``capture``) and pass them to later forwards with a mask saying which new rows see which of them.
+    """
+
+    k: torch.Tensor  # [L, B, Hkv, P, hd] (B = 1 broadcasts over any batch)
+    v: torch.Tensor  # [L, B, Hkv, P, hd]
+
+    @classmethod
+    def capture(cls, cache: KVCache) -> PinnedKV:
+        """The committed rows ``[0, cache.length)`` of every layer of ``cache`` (copied)."""
+        n = cache.length
+        return cls(cache.k[:, :, :, :n].clone(), cache.v[:, :, :, :n].clone())
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.k.shape[3])

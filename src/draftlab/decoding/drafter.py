@@ -27,7 +27,8 @@ How every method on the roadmap fits:
   the prefix and to their own node's ancestors, nothing attends to them, and they are never committed to
   the target cache (``KVCache.commit_rows`` only keeps the accepted path). Their outputs come back typed
   as ``out.extra`` (``ExtraOutput``); the drafter picks the row of the last accepted node as its future
-  vector for the next round.
+  vector for the next round. Rows that never see the sequence (soft prompts) are computed once and
+  passed as ``ExtraRows.pinned`` keys instead of riding along in every pass.
 - **Self-speculation (SpecBound early exit, SparseSpec-L sparse KV).** ``propose`` may run the target's own
   first layers / a sparse view of its cache: ``state.target`` and ``state.cache`` are exposed read-only
   (draft rows go to scratch slots past ``cache.length``; the verify pass overwrites them). Proposals carry
@@ -49,6 +50,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from draftlab.decoding.cache import PinnedKV
 from draftlab.decoding.tree import DraftTree
 from draftlab.decoding.verify import VerifyResult
 
@@ -67,6 +69,11 @@ class ExtraRows:
     # the drafter taps aux layers). Off by default: the LM head over R extra rows is wasted work otherwise.
     want_logits: bool = False
     want_hidden: bool = False
+    # Rows computed once (``cache.PinnedKV``, e.g. ConFu's soft prompts) that these rows attend to in every
+    # layer, instead of re-running them in each pass; ``pinned_mask [R, P]`` (None = every row sees all).
+    # Tree rows never see them.
+    pinned: PinnedKV | None = None
+    pinned_mask: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -144,6 +144,14 @@ def _verify_inputs(target, tree: DraftTree, extra: ExtraRows | None, past: int):
     return ids, embeds, pos, mask
 
 
+def _pinned_mask(extra: ExtraRows, n: int, device) -> torch.Tensor:
+    """bool [N + R, P]: the extra rows see the pinned rows they ask for, the N tree rows none."""
+    P = extra.pinned.num_rows
+    rows = (extra.pinned_mask.to(device=device, dtype=torch.bool) if extra.pinned_mask is not None
+            else torch.ones(extra.num_rows, P, dtype=torch.bool, device=device))  # [R, P]
+    return torch.cat([rows.new_zeros(n, P), rows], 0)
+
+
 def _extra_output(vout, extra: ExtraRows, n: int) -> ExtraOutput:
     return ExtraOutput(logits=vout.logits[0, n:] if extra.want_logits else None,  # [R, V]
                        aux=vout.aux_hidden[0, n:] if vout.aux_hidden is not None else None,  # [R, n_aux*d]
@@ -204,6 +212,8 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
             kw["logits_rows"] = torch.arange(n, device=target.device)  # no LM head over the extra rows
         if extra is not None and extra.want_hidden:
             kw["return_last_hidden"] = True
+        if extra is not None and extra.pinned is not None:
+            kw["pinned"], kw["pinned_mask"] = extra.pinned, _pinned_mask(extra, n, target.device)
         vout = target.forward(ids, pos, cache, mask, input_embeds=embeds, **kw)
         logits = vout.logits[0, :n]  # [N, V]
         result = verify(logits, tree, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=gen)

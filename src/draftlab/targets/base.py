@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:  # the cache lives with the decoding loop, which imports targets
-    from draftlab.decoding.cache import KVCache, SparseView
+    from draftlab.decoding.cache import KVCache, PinnedKV, SparseView
 
 
 class LayerConvention(str, Enum):
@@ -115,15 +115,20 @@ class Target(Protocol):
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
                 cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *, return_aux: bool = False,
                 return_last_hidden: bool = False, logits_rows: torch.Tensor | None = None,
-                input_embeds: torch.Tensor | None = None, aux_layer_ids: list[int] | None = None) -> TargetOutput:
-        """T new rows (ids [B, T] or ``input_embeds [B, T, d]``) through the whole model, writing scratch KV."""
+                input_embeds: torch.Tensor | None = None, aux_layer_ids: list[int] | None = None,
+                pinned: PinnedKV | None = None, pinned_mask: torch.Tensor | None = None) -> TargetOutput:
+        """T new rows (ids [B, T] or ``input_embeds [B, T, d]``) through the whole model, writing scratch KV.
+
+        ``pinned`` rows (keys computed once, outside the cache) are readable too, where ``pinned_mask
+        [B|1, T, P]`` allows (default: by every row)."""
         ...
 
     def forward_with_grad(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                           cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *,
                           return_aux: bool = False, return_last_hidden: bool = False,
                           logits_rows: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None,
-                          aux_layer_ids: list[int] | None = None) -> TargetOutput:
+                          aux_layer_ids: list[int] | None = None, pinned: PinnedKV | None = None,
+                          pinned_mask: torch.Tensor | None = None) -> TargetOutput:
         """``forward`` under the caller's grad mode, reading the cache only (differentiable w.r.t. embeds)."""
         ...
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from draftlab.decoding.cache import KVCache, SparseView
+from draftlab.decoding.cache import KVCache, PinnedKV, SparseView
 from draftlab.targets.base import Geometry, LayerConvention, LayerOutput, TargetOutput, default_aux_layer_ids
 from draftlab.utils.logging import get_logger
 
@@ -213,7 +213,8 @@ class HFTarget:
                 cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *,
                 return_aux: bool = False, return_last_hidden: bool = False,
                 logits_rows: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None,
-                aux_layer_ids: list[int] | None = None) -> TargetOutput:
+                aux_layer_ids: list[int] | None = None, pinned: PinnedKV | None = None,
+                pinned_mask: torch.Tensor | None = None) -> TargetOutput:
         """Run the target on T new rows.
 
         input_ids    [B, T]; or ``input_embeds [B, T, d]`` for rows that are not vocabulary tokens.
@@ -224,16 +225,20 @@ class HFTarget:
         logits_rows  optional [R] indices of rows whose logits are needed (saves the LM head elsewhere).
         aux_layer_ids  the layers to capture when ``return_aux`` (in ``self.layer_convention``); default
                      ``self.aux_layer_ids``. Methods pass the layers they tap, so taps are a method setting.
+        pinned       ``PinnedKV`` rows every layer may also attend to (keys computed once, e.g. soft prompts);
+                     ``pinned_mask`` bool [B|1, T, P] or [T, P] says which row sees which (default: all).
         """
         return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
-                                logits_rows, input_embeds, write_cache=True, aux_layer_ids=aux_layer_ids)
+                                logits_rows, input_embeds, write_cache=True, aux_layer_ids=aux_layer_ids,
+                                pinned=pinned, pinned_mask=pinned_mask)
 
     def forward_with_grad(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                           cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *,
                           return_aux: bool = False, return_last_hidden: bool = False,
                           logits_rows: torch.Tensor | None = None,
                           input_embeds: torch.Tensor | None = None,
-                          aux_layer_ids: list[int] | None = None) -> TargetOutput:
+                          aux_layer_ids: list[int] | None = None, pinned: PinnedKV | None = None,
+                          pinned_mask: torch.Tensor | None = None) -> TargetOutput:
         """``forward`` under the caller's grad mode, differentiable w.r.t. ``input_embeds`` (the weights stay frozen).
 
         The cache is only read: the new rows attend to its committed slots ``[0, cache.length)`` (as stored,
@@ -242,7 +247,8 @@ class HFTarget:
         saved tensors, so the keys of each layer are concatenated instead.
         """
         return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
-                                logits_rows, input_embeds, write_cache=False, aux_layer_ids=aux_layer_ids)
+                                logits_rows, input_embeds, write_cache=False, aux_layer_ids=aux_layer_ids,
+                                pinned=pinned, pinned_mask=pinned_mask)
 
     # ------------------------------------------------------------------------------------------------
     # pieces of the forward, for drafters that run the target's own layers
@@ -310,11 +316,13 @@ class HFTarget:
     __call__ = forward
 
 
-# Rows for which ``W @ x.T`` beats ``F.linear``: on CPU, MKL runs a 2..64-row ``x @ W.T`` as a GEMM that
+# Rows for which ``W @ x.T`` beats ``F.linear``: on CPU, MKL runs a 2..32-row ``x @ W.T`` as a GEMM that
 # costs about as much as streaming the weights twice, while the weight-major product stays close to one
 # weight pass (measured over SmolLM2's layer shapes on 2 cores: 2 rows 42 vs 100 ms, 8 rows 58 vs 84 ms,
-# 32 rows 99 vs 168 ms; experiments/engine_baseline). One row keeps F.linear (a GEMV either way).
-_WEIGHT_MAJOR_MAX_ROWS = 64
+# 32 rows 99 vs 168 ms; experiments/engine_baseline). Past ~32 rows MKL's GEMM wins again (whole-pass times
+# 40 rows 169 vs 149 ms, 56 rows 200 vs 169 ms): ConFu's verify passes (tree + contemplate rows) live there.
+# One row keeps F.linear (a GEMV either way).
+_WEIGHT_MAJOR_MAX_ROWS = 32
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -341,6 +349,8 @@ class _Rows:
     write: bool  # write K/V into the cache (forward) or only read it (forward_with_grad)
     # Default mask on a cache whose layers have different lengths: one mask per committed length.
     layer_masks: dict[int, torch.Tensor] | None = None
+    pinned: PinnedKV | None = None  # rows outside the cache that every layer may also read
+    pinned_mask: torch.Tensor | None = None  # bool [B|1, 1, T, P]
 
     def row_slots(self, device: torch.device) -> torch.Tensor:
         T = self.cos.shape[2]
@@ -357,7 +367,7 @@ def _default_mask(T: int, S: int, committed: int, slots: torch.Tensor) -> torch.
 
 
 def _prepare(target: HFTarget, x: torch.Tensor, position_ids, cache: KVCache | None, attn_mask, slots,
-             write: bool) -> _Rows:
+             write: bool, pinned: PinnedKV | None = None, pinned_mask: torch.Tensor | None = None) -> _Rows:
     B, T, _ = x.shape
     dev = x.device
     if cache is None:
@@ -391,7 +401,22 @@ def _prepare(target: HFTarget, x: torch.Tensor, position_ids, cache: KVCache | N
         mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=dev).tril(past).view(1, 1, T, S)
     else:
         mask, layer_masks = None, {}  # depends on each layer's committed length: built on first use
-    return _Rows(cos, sin, past, slots, S, mask, write, layer_masks)
+    pmask = None
+    if pinned is not None:
+        P = pinned.num_rows
+        if pinned.k.shape[0] != target.geometry.num_layers or pinned.k.shape[1] not in (1, B):
+            raise ValueError(f"pinned keys {tuple(pinned.k.shape)} do not fit a {target.geometry.num_layers}-layer "
+                             f"target and batch {B} ([L, 1|B, Hkv, P, hd])")
+        if pinned_mask is None:
+            pmask = torch.ones(1, 1, T, P, dtype=torch.bool, device=dev)
+        elif pinned_mask.shape[-2:] != (T, P):
+            raise ValueError(f"pinned_mask must be [.., {T}, {P}] (new rows x pinned rows), got "
+                             f"{tuple(pinned_mask.shape)}")
+        else:
+            pmask = pinned_mask.to(device=dev, dtype=torch.bool).view(-1, 1, T, P)
+    elif pinned_mask is not None:
+        raise ValueError("pinned_mask without pinned keys")
+    return _Rows(cos, sin, past, slots, S, mask, write, layer_masks, pinned, pmask)
 
 
 def _layer_mask(r: _Rows, cache: KVCache, li: int) -> torch.Tensor:
@@ -431,6 +456,8 @@ def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: _Rows, cache: 
     elif cache is not None:
         k = torch.cat([cache.k[li, :, :, :r.past], k], dim=2)  # [B, Hkv, S, hd]
         v = torch.cat([cache.v[li, :, :, :r.past], v], dim=2)  # [B, Hkv, S, hd]
+    if r.pinned is not None:
+        k, v, mask = _with_pinned(r, li, k, v, mask)  # [B, Hkv, P + S', hd], mask [B|1, 1|Hkv, T, P + S']
     if T <= _GROUPED_ATTENTION_MAX_ROWS:
         o = grouped_attention(q, k, v, mask, w["scaling"])  # [B, H, T, hd]
     else:
@@ -440,6 +467,19 @@ def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: _Rows, cache: 
     x = x + _linear(o.transpose(1, 2).reshape(B, T, H * hd), w["wo"], w["bo"])
     gate, up = _linear(F.rms_norm(x, (d,), w["ln2"], w["eps2"]), w["wgu"]).chunk(2, dim=-1)
     return x + _linear(w["act"](gate) * up, w["wd"])
+
+
+def _with_pinned(r: _Rows, li: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    """Pinned rows' keys/values in front of the pass's own keys ``k/v [B, Hkv, S, hd]``, the mask widened."""
+    B, _, S, _ = k.shape
+    pk = r.pinned.k[li].to(k.dtype).expand(B, -1, -1, -1)  # [B, Hkv, P, hd]
+    pv = r.pinned.v[li].to(v.dtype).expand(B, -1, -1, -1)
+    T, P = r.cos.shape[2], pk.shape[2]
+    if mask is None:
+        mask = torch.ones(1, 1, T, S, dtype=torch.bool, device=k.device)
+    bm, hm = max(mask.shape[0], r.pinned_mask.shape[0]), mask.shape[1]
+    mask = torch.cat([r.pinned_mask.expand(bm, hm, T, P), mask.expand(bm, hm, T, S)], dim=-1)
+    return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2), mask
 
 
 def _sparse_keys(cache: KVCache, li: int, r: _Rows, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -491,12 +531,13 @@ def _run_layers(target: HFTarget, x: torch.Tensor, start: int, end: int, r: _Row
 
 def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
                      logits_rows, input_embeds, *, write_cache: bool,
-                     aux_layer_ids: list[int] | None = None) -> TargetOutput:
+                     aux_layer_ids: list[int] | None = None, pinned: PinnedKV | None = None,
+                     pinned_mask: torch.Tensor | None = None) -> TargetOutput:
     # The body of ``HFTarget.forward`` / ``forward_with_grad``: embed -> layers [0, L) -> norm / LM head, the
     # same layer code as ``forward_layers``; only the cache handling differs (scratch write vs read-only).
     target._decoder()
     x = target.embed(input_ids) if input_embeds is None else input_embeds.to(target.dtype)  # [B, T, d]
-    r = _prepare(target, x, position_ids, cache, attn_mask, None, write_cache)
+    r = _prepare(target, x, position_ids, cache, attn_mask, None, write_cache, pinned, pinned_mask)
     taps = target.check_layer_ids(aux_layer_ids) if aux_layer_ids is not None else target.aux_layer_ids
     want_aux = return_aux and bool(taps)
     x, captured = _run_layers(target, x, 0, target.geometry.num_layers, r, cache, None, taps if want_aux else ())

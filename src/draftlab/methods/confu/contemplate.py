@@ -14,25 +14,52 @@ Layout shared by inference and training (the target is frozen; only these rows' 
   it computes the features of its own tree nodes. At inference the lag of the contemplate row that is
   used (the last accepted node's) is the round's accept length; training samples it
   (``ConFuModule.max_con_lag``).
+
+Because the soft prompts see nothing but each other, inference computes their keys and values once per
+draft (``soft_prompt_kv``) and passes them as pinned keys (``decoding.cache.PinnedKV``): a verify pass then
+holds the tree and one contemplate row per node, not also ``s`` soft-prompt rows. Training runs them as
+rows (``contemplate``), where their gradient is needed; the two layouts compute the same attention.
 """
 
 from __future__ import annotations
 
 import torch
 
+from draftlab.decoding.cache import PinnedKV
 from draftlab.decoding.drafter import ExtraRows
 from draftlab.decoding.tree import ancestor_mask
 
 
-def verify_extra_rows(soft_prompts: torch.Tensor, con_embed: torch.Tensor, parents: torch.Tensor,
+@torch.no_grad()
+def soft_prompt_kv(target, soft_prompts: torch.Tensor) -> PinnedKV:
+    """The soft prompts' keys/values at every target layer (positions ``0..s-1``, causal among themselves)."""
+    s = soft_prompts.shape[0]
+    cache = target.new_cache(1, s)
+    target.forward(None, torch.arange(s, device=target.device), cache, input_embeds=soft_prompts[None],
+                   logits_rows=torch.arange(0, device=target.device))
+    cache.commit(s)
+    return PinnedKV.capture(cache)
+
+
+def verify_extra_rows(soft_prompts: torch.Tensor | PinnedKV, con_embed: torch.Tensor, parents: torch.Tensor,
                       depth: torch.Tensor, past: int) -> ExtraRows:
     """Soft prompts plus one contemplate row per node of an N-node tree (the engine's ``extra_rows``).
 
-    soft_prompts [s, d]; con_embed [d] (one embedding for every contemplate row of the pass);
-    parents/depth [N] of the tree; past = committed target length. Rows: ``s`` soft prompts, then the
-    contemplate row of node i at extra index ``s + i`` (verify-pass row ``N + s + i``).
+    soft_prompts [s, d] (rows of the pass) or their ``PinnedKV`` (``soft_prompt_kv``: keys computed once);
+    con_embed [d] (one embedding for every contemplate row of the pass); parents/depth [N] of the tree;
+    past = committed target length. Rows: ``s`` soft prompts (none when pinned), then the contemplate row
+    of node i at extra index ``s + i`` (verify-pass row ``N + s + i``).
     """
-    s, n = soft_prompts.shape[0], parents.shape[0]
+    n = parents.shape[0]
+    if isinstance(soft_prompts, PinnedKV):
+        # Contemplate rows only: node ancestors + self; the pinned soft prompts are seen by all of them.
+        tree_mask = torch.zeros(n, 2 * n, dtype=torch.bool)  # [N, N + N]
+        tree_mask[:, :n] = ancestor_mask(parents.cpu())
+        tree_mask[:, n:] = torch.eye(n, dtype=torch.bool)
+        embeds = con_embed[None].expand(n, -1)  # [N, d]
+        return ExtraRows(embeds=embeds, tree_mask=tree_mask, position_ids=past + depth.cpu() + 1,
+                         pinned=soft_prompts)
+    s = soft_prompts.shape[0]
     r = s + n
     tree_mask = torch.zeros(r, n + r, dtype=torch.bool)  # [R, N + R]
     tree_mask[:s, n:n + s] = torch.ones(s, s, dtype=torch.bool).tril()
@@ -45,7 +72,7 @@ def verify_extra_rows(soft_prompts: torch.Tensor, con_embed: torch.Tensor, paren
     return ExtraRows(embeds=embeds, tree_mask=tree_mask, position_ids=positions, sees_prefix=sees_prefix)
 
 
-def contemplate(target, cache, soft_prompts: torch.Tensor, con_embed: torch.Tensor,
+def contemplate(target, cache, soft_prompts: torch.Tensor | PinnedKV, con_embed: torch.Tensor,
                 anchors: torch.Tensor, *, aux_layer_ids: list[int] | None = None) -> torch.Tensor:
     """Tapped target states ``[B, K, 3*d_t]`` of contemplate rows attached to committed positions.
 
@@ -55,7 +82,10 @@ def contemplate(target, cache, soft_prompts: torch.Tensor, con_embed: torch.Tens
     reach ``soft_prompts`` and ``con_embed`` (through the frozen target) and nothing else, since the
     cached prefix is constant. Contemplate rows do not see each other. ``aux_layer_ids``: the taps to
     read (target's convention; the draft's ``tapped_layers``); None = the target's default taps.
+    ``soft_prompts`` may be their ``PinnedKV`` (inference: no gradient, keys computed once).
     """
+    if isinstance(soft_prompts, PinnedKV):
+        return _contemplate_pinned(target, cache, soft_prompts, con_embed, anchors, aux_layer_ids)
     B, K = anchors.shape
     s, T = soft_prompts.shape[0], cache.length
     dev = con_embed.device
@@ -71,3 +101,21 @@ def contemplate(target, cache, soft_prompts: torch.Tensor, con_embed: torch.Tens
     out = target.forward_with_grad(None, positions, cache, mask, return_aux=True, aux_layer_ids=aux_layer_ids,
                                    logits_rows=torch.arange(0, device=dev), input_embeds=embeds)
     return out.aux_hidden[:, s:]  # [B, K, 3*d_t]
+
+
+def _contemplate_pinned(target, cache, pinned: PinnedKV, con_embed: torch.Tensor, anchors: torch.Tensor,
+                        aux_layer_ids: list[int] | None) -> torch.Tensor:
+    # ``contemplate`` with the soft prompts as pinned keys: K rows, each seeing its prefix, the soft prompts
+    # and itself.
+    B, K = anchors.shape
+    T, dev = cache.length, con_embed.device
+    valid = anchors >= 0  # [B, K]
+    a = anchors.clamp(min=0)
+    mask = torch.zeros(B, K, T + K, dtype=torch.bool, device=dev)  # [B, K, S]
+    mask[:, :, :T] = (torch.arange(T, device=dev) <= a[..., None]) & valid[..., None]
+    mask[:, :, T:] = torch.eye(K, dtype=torch.bool, device=dev)
+    pmask = valid[..., None].expand(B, K, pinned.num_rows)  # [B, K, s]
+    out = target.forward_with_grad(None, a + 1, cache, mask, return_aux=True, aux_layer_ids=aux_layer_ids,
+                                   logits_rows=torch.arange(0, device=dev), input_embeds=con_embed,
+                                   pinned=pinned, pinned_mask=pmask)
+    return out.aux_hidden  # [B, K, 3*d_t]

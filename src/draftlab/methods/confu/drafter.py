@@ -1,18 +1,19 @@
-"""ConFu drafting for the shared engine: the EAGLE-3 drafter plus contemplate rows and a future token.
+"""ConFu drafting for the shared engine: an EAGLE-3 drafter, composed, plus contemplate rows and a future token.
 
-Per round (``Eagle3Drafter`` does the tree; this class adds the future):
+Per round (the composed ``Eagle3Drafter`` grows the tree and keeps the draft cache; this class adds the
+future):
 
-1. ``propose``: the round's future token (keys/values per draft layer, computed in ``update``) is placed
-   in the draft cache right after the committed rows, and every tree node attends to it. It is dropped
-   again with the tree's provisional rows: the future token is never part of the committed draft
-   context; each round brings its own.
-2. ``extra_rows``: the soft prompts and one contemplate row per tree node join the verify pass
-   (``contemplate.verify_extra_rows``); they never enter the target cache.
-3. ``update``: the contemplate row of the last accepted node (``out.extra.aux``) gives ``f`` and, with ``e_f`` from the
-   anchor's features, the next future token. The accepted rows are then appended as in EAGLE-3, each
-   seeing the future of its own window (``model.future_visibility``): the new anchor row sees the new
-   future, the rows before it the previous one while they are within its window. For that pass both
-   futures are written in front of the new rows; the rows are then moved down over them.
+1. ``propose``: the round's future token (keys/values per draft layer, computed in ``update``) is handed
+   to the tree as ``SideKeys`` that every tree node attends to. It never enters the draft cache: the
+   future token is not part of the committed draft context; each round brings its own.
+2. ``extra_rows``: one contemplate row per tree node joins the verify pass
+   (``contemplate.verify_extra_rows``), attending to the soft prompts' keys, which are computed once per
+   draft and target (``contemplate.soft_prompt_kv``) and passed as pinned keys. Nothing enters the target
+   cache. ``cache_soft_prompts=False`` runs the soft prompts as rows of every pass instead (the reference).
+3. ``update``: the contemplate row of the last accepted node (``out.extra.aux``) gives ``f`` and, with
+   ``e_f`` from the anchor's features, the next future token. The accepted rows are then appended as in
+   EAGLE-3, each seeing the future of its own window (``model.future_visibility``): the new anchor row
+   sees the new future, the rows before it the previous one while they are within its window.
 
 ``reset`` runs the prefill contemplate row (attached to the last prompt token) with the read-only
 ``forward_with_grad`` of the target under ``no_grad``, so even the target cache's scratch is untouched.
@@ -22,38 +23,80 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.decoding.drafter import DecodeState, ExtraRows, VerifyOutput
+from draftlab.decoding.cache import PinnedKV
+from draftlab.decoding.drafter import DecodeState, Drafter, ExtraRows, VerifyOutput
 from draftlab.decoding.tree import DraftTree
-from draftlab.methods.confu.contemplate import contemplate, verify_extra_rows
+from draftlab.methods.confu.contemplate import contemplate, soft_prompt_kv, verify_extra_rows
 from draftlab.methods.confu.model import ConFuDraft
 from draftlab.methods.eagle3.drafter import Eagle3Drafter
+from draftlab.methods.eagle3.model import SideKeys
 
 FutureKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class ConFuDrafter(Eagle3Drafter):
+class ConFuDrafter(Drafter):
     """Proposes EAGLE-2 dynamic trees with a :class:`ConFuDraft` and adds contemplate rows to verify passes.
 
-    ``top_k`` / ``depth`` / ``total_tokens`` as for ``Eagle3Drafter``. A verify pass has
-    ``2 * (total_tokens + 1) + num_soft_prompts`` rows (``verify_rows``, which the engine reserves).
+    ``top_k`` / ``depth`` / ``total_tokens`` as for ``Eagle3Drafter`` (``self.tree``, which does the tree
+    and the draft cache). A verify pass has ``2 * (total_tokens + 1)`` rows, plus ``num_soft_prompts`` with
+    ``cache_soft_prompts=False`` (``verify_rows``, which the engine reserves).
     """
 
-    def __init__(self, draft: ConFuDraft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60):
+    def __init__(self, draft: ConFuDraft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
+                 cache_soft_prompts: bool = True):
         if not isinstance(draft, ConFuDraft):
             raise TypeError(f"ConFuDrafter needs a ConFuDraft, got {type(draft).__name__} "
                             "(ConFuDraft.from_eagle3 extends an EAGLE-3 draft)")
-        super().__init__(draft, top_k=top_k, depth=depth, total_tokens=total_tokens)
+        self.tree = Eagle3Drafter(draft, top_k=top_k, depth=depth, total_tokens=total_tokens)
+        self.draft = self.tree.draft
+        self.cache_soft_prompts = cache_soft_prompts
+        self._soft: tuple[tuple[int, int], PinnedKV] | None = None  # ((target, weights version), keys)
         self._future: FutureKV | None = None  # the current round's future token
         self._future_anchor = -1  # its anchor: target position == draft row
         self._next_future: tuple[FutureKV, int] | None = None  # computed from the last verify pass
-        self._future_slot: int | None = None  # draft-cache slot of the future while a tree grows
         self.anchors: list[tuple[int, int]] = []  # (anchor, lag of its [con] key) per round, for inspection
 
-    def verify_rows(self, cfg) -> int:
-        """Rows of the largest verify pass: tree nodes + their contemplate rows + soft prompts."""
-        return 2 * (self.total_tokens + 1) + self.draft.config.num_soft_prompts
+    # ---- what the composed EAGLE-3 drafter already answers -------------------------------------------
 
-    # ---- future token ----------------------------------------------------------------------------------
+    @property
+    def total_tokens(self) -> int:
+        return self.tree.total_tokens
+
+    @property
+    def num_committed(self) -> int:
+        return self.tree.num_committed
+
+    @property
+    def root_logprobs(self) -> torch.Tensor | None:
+        return self.tree.root_logprobs
+
+    @property
+    def cache(self):
+        return self.tree.cache
+
+    def check_compatible(self, target) -> None:
+        self.tree.check_compatible(target)
+
+    def aux_layers(self, target) -> list[int]:
+        return self.tree.aux_layers(target)
+
+    def verify_rows(self, cfg) -> int:
+        """Rows of the largest verify pass: tree nodes + their contemplate rows (+ soft prompts as rows)."""
+        soft = 0 if self.cache_soft_prompts else self.draft.config.num_soft_prompts
+        return 2 * (self.total_tokens + 1) + soft
+
+    # ---- soft prompts and the future token --------------------------------------------------------------
+
+    def soft_prompts(self, target) -> torch.Tensor | PinnedKV:
+        """What contemplate rows attend to: the soft prompts' pinned keys (computed once per target and
+        weights) or, with ``cache_soft_prompts=False``, the soft prompts themselves (rows of every pass)."""
+        soft = self.draft.soft_prompts
+        if not self.cache_soft_prompts:
+            return soft.to(target.dtype)
+        key = (id(target), soft._version)
+        if self._soft is None or self._soft[0] != key:
+            self._soft = (key, soft_prompt_kv(target, soft.to(device=target.device, dtype=target.dtype)))
+        return self._soft[1]
 
     def _future_for(self, con_aux: torch.Tensor, anchor_aux: torch.Tensor, anchor: int) -> FutureKV:
         device = self.draft.fc.weight.device
@@ -61,50 +104,25 @@ class ConFuDrafter(Eagle3Drafter):
         e_f = self.draft.future_embedding(anchor_aux.to(device)[None, None])  # [1, 1, d]
         return self.draft.future_kv(e_f, f, torch.tensor([[anchor]], device=device))  # L x [1, Hkv, 1, hd]
 
-    def _write_future(self, slot: int, future: FutureKV) -> None:
-        for layer, (k, v) in enumerate(future):
-            self._cache.write(layer, slot, k, v)
-
-    def _run(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._future_slot is not None and mask is not None:
-            # Tree rows: the round's future token sits right after the committed rows.
-            mask = mask.clone()
-            mask[:, self._future_slot] = True
-        return super()._run(ids, hidden, positions, mask)
-
-    def _append_rows(self, ids: list[int], aux: torch.Tensor) -> None:
-        # Rows for target positions committed..committed+n-1; the last one is the new anchor.
+    def _append_side(self, n: int, c: int) -> SideKeys:
+        # The futures n new rows (positions c..c+n-1) may see: the previous one for rows still in its
+        # window, the new one (anchored at the last row) for the last row only.
         if self._next_future is None:
             raise RuntimeError("no future token for the new rows: the engine must pass extra rows' outputs")
         future, anchor = self._next_future
-        device = self.draft.fc.weight.device
-        n, c = len(ids), self._committed
         if anchor != c + n - 1:
             raise RuntimeError(f"future anchored at {anchor}, but the new rows end at {c + n - 1}")
-        self._reserve(2 + n)
-        cache = self._cache
-        # Slot c: the previous future, slot c + 1: the new one, new rows from c + 2.
+        futures, cols = [future], [torch.arange(n) == n - 1]
         if self._future is not None:
-            self._write_future(c, self._future)
-        self._write_future(c + 1, future)
-        cache.commit(2)
-        window = self.draft.config.future_window
-        mask = torch.zeros(n, c + 2 + n, dtype=torch.bool)  # [n, S]
-        mask[:, :c] = True
-        if self._future is not None:
-            rows = torch.arange(c, c + n - 1)
-            mask[: n - 1, c] = rows - self._future_anchor < window
-        mask[n - 1, c + 1] = True
-        mask[:, c + 2:] = torch.ones(n, n, dtype=torch.bool).tril()
-        ids_t = torch.tensor(ids, dtype=torch.long, device=device)  # [n]
-        h, logp = self._run(ids_t, aux.to(device), torch.arange(c, c + n, device=device), mask.to(device))
-        cache.truncate(c)
-        cache.commit_rows(torch.arange(2, 2 + n))  # the rows move down over the two future slots
-        self._committed += n
-        self._num_tokens += n
-        self._h_last, self._root_logprobs = h[-1], logp[-1]
-        self._future, self._future_anchor = future, anchor
+            rows = torch.arange(c, c + n)
+            futures.insert(0, self._future)
+            cols.insert(0, (rows < c + n - 1) & (rows - self._future_anchor < self.draft.config.future_window))
+        kv = [(torch.cat([f[layer][0] for f in futures], 2), torch.cat([f[layer][1] for f in futures], 2))
+              for layer in range(len(future))]  # per layer [1, Hkv, P, hd]
+        return SideKeys(kv, torch.stack(cols, 1).to(self.draft.fc.weight.device))  # mask [n, P]
+
+    def _commit_future(self) -> None:
+        self._future, self._future_anchor = self._next_future
         self._next_future = None
 
     # ---- the drafter protocol ---------------------------------------------------------------------------
@@ -120,33 +138,26 @@ class ConFuDrafter(Eagle3Drafter):
         p = aux.shape[0]
         lag = 1 if p >= 2 else 0
         con = self.draft.contemplate_embedding(aux[p - 1 - lag].to(self.draft.fc.weight.device))  # [d_t]
-        con_aux = contemplate(state.target, state.cache, self.draft.soft_prompts, con[None, None],
+        con_aux = contemplate(state.target, state.cache, self.soft_prompts(state.target), con[None, None],
                               torch.tensor([[p - 1]], device=con.device),
                               aux_layer_ids=self.aux_layers(state.target))[0, 0]  # [3*d_t]
         self._future, self._future_anchor = None, -1
         self._next_future = (self._future_for(con_aux, aux[p - 1], p - 1), p - 1)
         self.anchors = [(p - 1, lag)]
-        super().reset(state)
+        self.tree.start(state, self._append_side(p, 0))
+        self._commit_future()
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> DraftTree:
         """Grow an EAGLE-2 dynamic tree whose nodes all attend to the round's future token."""
-        committed = self._committed
-        self._reserve(1)
-        self._write_future(committed, self._future)
-        self._cache.commit(1)
-        self._future_slot = committed
-        try:
-            return super().propose(state)
-        finally:
-            self._future_slot = None
-            self._cache.truncate(committed)
+        return self.tree.grow(state, SideKeys(self._future))
 
     @torch.no_grad()
     def extra_rows(self, state: DecodeState, tree: DraftTree) -> ExtraRows:
-        """Soft prompts + one contemplate row after every tree node, keyed on the last accepted token."""
+        """One contemplate row after every tree node, keyed on the last accepted token (+ the soft prompts)."""
         con = self.draft.contemplate_embedding(state.accepted_aux[-1].to(self.draft.fc.weight.device))  # [d_t]
-        extra = verify_extra_rows(self.draft.soft_prompts, con, tree.parents, tree.depth, state.cache.length)
+        extra = verify_extra_rows(self.soft_prompts(state.target), con.to(state.target.dtype), tree.parents,
+                                  tree.depth, state.cache.length)
         extra.embeds = extra.embeds.to(state.target.dtype)  # joins the target's token embeddings
         return extra
 
@@ -156,10 +167,14 @@ class ConFuDrafter(Eagle3Drafter):
         if out.extra is None or out.extra.aux is None:
             raise RuntimeError("ConFuDrafter needs the aux states of its contemplate rows (VerifyOutput.extra)")
         n = out.kept
-        if n > 0:
-            node = out.kept_path[-1]
-            con_aux = out.extra.aux[self.draft.config.num_soft_prompts + node]  # [3*d_t]
-            anchor = self._committed + n - 1
-            self._next_future = (self._future_for(con_aux, out.accepted_aux[n - 1], anchor), anchor)
-            self.anchors.append((anchor, anchor - self._future_anchor))
-        super().update(state, out)
+        if n <= 0:
+            self.tree.accept(state, out)
+            return
+        node = out.kept_path[-1]
+        soft = 0 if self.cache_soft_prompts else self.draft.config.num_soft_prompts
+        con_aux = out.extra.aux[soft + node]  # [3*d_t]
+        anchor = self.tree.num_committed + n - 1
+        self._next_future = (self._future_for(con_aux, out.accepted_aux[n - 1], anchor), anchor)
+        self.anchors.append((anchor, anchor - self._future_anchor))
+        self.tree.accept(state, out, self._append_side(n, self.tree.num_committed))
+        self._commit_future()

@@ -20,15 +20,19 @@ pass gives, so the target always runs inside the step (its aux states and logits
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
+import lightning as L
 import torch
 
 from draftlab.methods.confu.config import ConFuConfig
 from draftlab.methods.confu.contemplate import contemplate
 from draftlab.methods.confu.model import ConFuDraft, FutureTTTAttention, future_visibility
-from draftlab.methods.eagle3.module import Eagle3Module, cosine_with_warmup
-from draftlab.methods.eagle3.ttt import TTTOutput, ttt_forward
+from draftlab.methods.eagle3.metrics import TTTHooks, TTTMetrics, TTTStep
+from draftlab.methods.eagle3.module import load_draft_checkpoint, save_draft_checkpoint
+from draftlab.methods.eagle3.ttt import TTTOutput
+from draftlab.training.schedule import configure
 
 
 def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, num_anchors: int, *,
@@ -58,31 +62,48 @@ def sample_lags(anchors: torch.Tensor, max_lag: int, *, generator: torch.Generat
     return torch.minimum(lags, anchors.clamp(min=0))
 
 
-class ConFuModule(Eagle3Module):
+class ConFuModule(TTTHooks, L.LightningModule):
     """Trains a :class:`ConFuDraft` (draft, soft prompts, both MoEs) against a frozen target.
+
+    Composes what EAGLE-3 training is made of (``TTTStep``, ``TTTMetrics``, the partial optimiser and
+    schedule, the draft-checkpoint helpers) with ConFu's own target pass B and future keys.
 
     num_anchors  K_train, contemplate rows per sequence.
     max_con_lag  the ``[con]`` MoE key is the target feature ``lag`` positions before the anchor, lag
                  uniform in ``[1, max_con_lag]`` (at inference: the round's accept length).
     confu_lr     learning rate of the ConFu parameters (soft prompts, MoEs, ``fc_f``); None = the optimiser's.
-    Everything else as ``Eagle3Module`` (TTT length, step weights, normalisation, optimiser, schedule).
+    ttt_length / step_weight / normalization / optimizer / schedule as ``Eagle3Module``.
     """
 
     def __init__(self, draft: ConFuDraft, target=None, *, num_anchors: int = 64, max_con_lag: int = 4,
-                 confu_lr: float | None = None, **eagle3_kwargs: Any):
+                 confu_lr: float | None = None, ttt_length: int = 7, step_weight: float = 0.8,
+                 normalization: str = "batch_tokens", optimizer=None, schedule=None,
+                 total_steps: int | None = None, naive_attention: bool = False):
+        super().__init__()
         if not isinstance(draft, ConFuDraft):
             raise TypeError(f"ConFuModule trains a ConFuDraft, got {type(draft).__name__}")
         if target is None:
             raise ValueError("ConFu trains with the target in the loop: contemplate rows need its KV cache")
         if num_anchors < 1 or max_con_lag < 1:
             raise ValueError(f"need num_anchors >= 1 and max_con_lag >= 1, got {num_anchors}, {max_con_lag}")
-        super().__init__(draft, target, **eagle3_kwargs)
+        self.draft = draft
+        self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
+        self.ttt = TTTStep(ttt_length, step_weight, normalization, naive_attention)
+        self.metrics = TTTMetrics(step_weight)
+        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        self.schedule_factory = schedule
+        self.total_steps = total_steps
         self.num_anchors = num_anchors
         self.max_con_lag = max_con_lag
         self.confu_lr = confu_lr
-        self.save_hyperparameters(ignore=["draft", "target", "target_lm_head", "optimizer"])
+        self.save_hyperparameters(ignore=["draft", "target", "optimizer", "schedule"])
 
-    def _ttt(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
+    @property
+    def ttt_length(self) -> int:
+        return self.ttt.ttt_length
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
+        """The TTT output (loss + per-step statistics) of ``batch``, anchors sampled."""
         return self.confu_forward(batch)
 
     def confu_forward(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor | None = None,
@@ -92,8 +113,9 @@ class ConFuModule(Eagle3Module):
         attn = batch.get("attention_mask")
         B, T = ids.shape
         cache = self.target.new_cache(B, T)
+        taps = self.draft.tapped_layers(self.target)
         with torch.no_grad():
-            out = self.target.forward(ids, cache=cache, return_aux=True, aux_layer_ids=self.draft.tapped_layers(self.target))
+            out = self.target.forward(ids, cache=cache, return_aux=True, aux_layer_ids=taps)
         cache.commit(T)
         aux, logits = out.aux_hidden, out.logits  # [B, T, 3*d_t], [B, T, V]
         if anchors is None:
@@ -108,45 +130,29 @@ class ConFuModule(Eagle3Module):
         key_aux = aux.gather(1, (a - lags).clamp(min=0)[..., None].expand(-1, -1, width))  # [B, K, 3*d_t]
         anchor_aux = aux.gather(1, a[..., None].expand(-1, -1, width))  # [B, K, 3*d_t]
         con_aux = contemplate(self.target, cache, draft.soft_prompts, draft.contemplate_embedding(key_aux), anchors,
-                              aux_layer_ids=draft.tapped_layers(self.target))
+                              aux_layer_ids=taps)
         f = draft.future_vector(con_aux)  # [B, K, d]
         e_f = draft.future_embedding(anchor_aux)  # [B, K, d]
         future_kv = draft.future_kv(e_f, f, a)  # L x ([B, Hkv, K, hd], [B, Hkv, K, hd])
         visible = future_visibility(anchors, T, draft.config.future_window)  # [B, T, K]
         attention = FutureTTTAttention(None if attn is None else attn.bool(), future_kv, visible,
-                                       naive=self.naive_attention)
-        return ttt_forward(draft, ids, aux, logits, loss_mask, attn, ttt_length=self.ttt_length,
-                           step_weight=self.step_weight, normalization=self.normalization,
-                           attention=attention, row_mask=visible.any(-1))
+                                       naive=self.ttt.naive_attention)
+        return self.ttt(draft, ids, aux, logits, loss_mask, attn, attention=attention, row_mask=visible.any(-1))
 
     # ---- optimisation ----------------------------------------------------------------------------------
 
     def configure_optimizers(self):
-        if self.confu_lr is None:
-            return super().configure_optimizers()
-        confu = {id(p) for p in self.draft.confu_parameters()}
         params = [p for p in self.draft.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if id(p) not in confu]},
-                  {"params": [p for p in params if id(p) in confu], "lr": self.confu_lr}]
-        opt = self.optimizer_factory(groups)
-        total = self.total_steps or int(self.trainer.estimated_stepping_batches)
-        warmup = int(round(self.warmup_ratio * total))
+        if self.confu_lr is not None:
+            confu = {id(p) for p in self.draft.confu_parameters()}
+            params = [{"params": [p for p in params if id(p) not in confu]},
+                      {"params": [p for p in params if id(p) in confu], "lr": self.confu_lr}]
+        return configure(self, params, self.optimizer_factory, self.schedule_factory, self.total_steps)
 
-        def schedule(step: int) -> float:
-            return cosine_with_warmup(step, warmup_steps=warmup, total_steps=total, min_ratio=self.min_lr_ratio)
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    # ---- checkpoints: the ConFu config replaces the EAGLE-3 one ----------------------------------------
+    # ---- checkpoints: the draft (frozen embedding dropped) and its ConFu config ------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        checkpoint["confu_config"] = checkpoint.pop("eagle3_config")
+        save_draft_checkpoint(checkpoint, "confu_config", self.draft.config.to_dict())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.pop("confu_config", None)
-        if saved is not None and ConFuConfig.from_dict(saved) != self.draft.config:
-            raise ValueError("checkpoint was trained with a different ConFu config:\n"
-                             f"  checkpoint: {saved}\n  this run:   {self.draft.config.to_dict()}")
-        super().on_load_checkpoint(checkpoint)
+        load_draft_checkpoint(checkpoint, "confu_config", self.draft, ConFuConfig)

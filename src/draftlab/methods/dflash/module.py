@@ -28,8 +28,8 @@ import torch
 from draftlab.methods.dflash.blocks import SUMMED, block_logits, block_loss, make_blocks
 from draftlab.methods.dflash.config import DFlashConfig, default_gamma
 from draftlab.methods.dflash.model import DFlashDraft
-from draftlab.methods.eagle3.module import cosine_with_warmup
 from draftlab.methods.eagle3.ttt import simulated_tau
+from draftlab.training.schedule import configure, warmup_cosine
 
 
 class DFlashModule(L.LightningModule):
@@ -40,26 +40,24 @@ class DFlashModule(L.LightningModule):
     num_anchors   blocks per sequence (the paper: 512 on GPUs; a few dozen on CPU).
     gamma         loss decay ``w_k = exp(-(k-1)/gamma)``; None = the paper's value for the block size.
     optimizer     a partial ``torch.optim`` constructor (Hydra ``_partial_: true``); default AdamW(6e-4).
-    warmup_ratio  fraction of the run's optimiser steps in linear warm-up before cosine decay.
+    schedule      a partial LR schedule (``draftlab.training.schedule``); default warm-up 4 % + cosine.
     val_seed      seed of the validation anchors.
     """
 
     def __init__(self, draft: DFlashDraft, target=None, *, num_anchors: int = 32, gamma: float | None = None,
-                 optimizer=None, warmup_ratio: float = 0.04, min_lr_ratio: float = 0.0,
-                 total_steps: int | None = None, val_seed: int = 0):
+                 optimizer=None, schedule=None, total_steps: int | None = None, val_seed: int = 0):
         super().__init__()
         self.draft = draft
         self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
         self.num_anchors = int(num_anchors)
         self.gamma = float(gamma) if gamma is not None else default_gamma(draft.config.block_size)
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.0)
-        self.warmup_ratio = warmup_ratio
-        self.min_lr_ratio = min_lr_ratio
+        self.schedule_factory = schedule or partial(warmup_cosine, warmup_ratio=0.04)
         self.total_steps = total_steps
         self.val_seed = val_seed
         self._val: dict[str, torch.Tensor] | None = None
         self._val_gen: torch.Generator | None = None
-        self.save_hyperparameters(ignore=["draft", "target", "optimizer"])
+        self.save_hyperparameters(ignore=["draft", "target", "optimizer", "schedule"])
 
     # ---- features and the block loss -------------------------------------------------------------------
 
@@ -132,12 +130,7 @@ class DFlashModule(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.draft.parameters() if p.requires_grad]
-        opt = self.optimizer_factory(params)
-        total = self.total_steps or int(self.trainer.estimated_stepping_batches)
-        warmup = int(round(self.warmup_ratio * total))
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, partial(cosine_with_warmup, warmup_steps=warmup, total_steps=total, min_ratio=self.min_lr_ratio))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return configure(self, params, self.optimizer_factory, self.schedule_factory, self.total_steps)
 
     # ---- checkpoints: draft weights only ---------------------------------------------------------------
 

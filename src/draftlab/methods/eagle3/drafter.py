@@ -12,6 +12,10 @@ itself for depth 1, its parent's row otherwise), sits at position ``r + k``, and
 committed row plus its ancestors' rows and itself. Those rows are written to the cache past the
 committed length and dropped again at the end of ``propose``; ``update`` then appends the rows of the
 accepted tokens, computed from the target's features of the verify pass.
+
+The draft cache is a ``DraftRows``; ``grow`` and ``accept`` take ``SideKeys`` (keys outside the cache the
+rows also attend to), which is how a method that extends EAGLE-3 with extra draft inputs (ConFu's future
+token) composes this drafter instead of overriding it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 from draftlab.decoding.cache import KVCache
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.tree import DraftTree, FrontierBatch, build_dynamic_tree
-from draftlab.methods.eagle3.model import CacheAttention, Eagle3Draft
+from draftlab.methods.eagle3.draft_cache import DraftRows
+from draftlab.methods.eagle3.model import Eagle3Draft, SideKeys
 
 
 class Eagle3Drafter(Drafter):
@@ -35,38 +40,39 @@ class Eagle3Drafter(Drafter):
     One drafter serves one sequence at a time: ``reset`` starts the draft cache afresh.
     """
 
-    # The draft cache starts this many rows past the prompt and at least doubles when it runs out.
-    cache_chunk: int = 256
-
     def __init__(self, draft: Eagle3Draft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60):
         if top_k < 1 or depth < 0 or total_tokens < 0:
             raise ValueError(f"need top_k >= 1, depth >= 0, total_tokens >= 0; "
                              f"got {top_k}, {depth}, {total_tokens}")
         self.draft = draft.eval()
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
-        self._cache: KVCache | None = None
-        self._committed = 0  # draft rows that belong to the sequence (positions 0..committed-1)
-        self._num_tokens = 0  # len(state.tokens) the committed rows account for (committed + 1)
-        self._h_last: torch.Tensor | None = None  # [d] output state of the last committed row
-        self._root_logprobs: torch.Tensor | None = None  # [V] its log-probs over the target vocabulary
-        self._target_ids = draft.target_ids()  # [V_d]
+        self.rows = DraftRows(self.draft)
+
+    @property
+    def cache_chunk(self) -> int:
+        """The draft cache starts this many rows past the prompt and at least doubles when it runs out."""
+        return self.rows.chunk
+
+    @cache_chunk.setter
+    def cache_chunk(self, rows: int) -> None:
+        self.rows.chunk = int(rows)
 
     # ---- public read-only views -------------------------------------------------------------------------
 
     @property
     def num_committed(self) -> int:
         """Draft rows committed for the current sequence (one per token before the root)."""
-        return self._committed
+        return self.rows.committed
 
     @property
     def root_logprobs(self) -> torch.Tensor | None:
         """``[V]`` draft log-probs of the token after the root (``-inf`` outside the draft vocabulary)."""
-        return self._root_logprobs
+        return self.rows.root_logprobs
 
     @property
     def cache(self) -> KVCache | None:
         """The draft KV cache (committed rows ``[0, num_committed)``)."""
-        return self._cache
+        return self.rows.cache
 
     # ---- compatibility ----------------------------------------------------------------------------------
 
@@ -104,87 +110,46 @@ class Eagle3Drafter(Drafter):
         """Tree nodes of the largest tree: the root plus ``total_tokens`` proposals."""
         return self.total_tokens + 1
 
-    # ---- draft cache ------------------------------------------------------------------------------------
+    # ---- building blocks (composed by methods that extend EAGLE-3) -----------------------------------------
 
-    def _reserve(self, rows: int) -> None:
-        # Grow by reallocating and copying everything written so far (provisional rows included).
-        cache = self._cache
-        needed = cache.length + rows
-        if needed <= cache.max_length:
-            return
-        grown = self.draft.new_cache(1, max(needed + self.cache_chunk, 2 * cache.max_length))
-        n = cache.length
-        grown.k[:, :, :, :n] = cache.k[:, :, :, :n]
-        grown.v[:, :, :, :n] = cache.v[:, :, :, :n]
-        grown.length = n
-        self._cache = grown
+    def start(self, state: DecodeState, side: SideKeys | None = None) -> None:
+        """Check the target, then run the draft over the prompt rows (the last one consumes the root).
 
-    def _run(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # T new rows written at the cache's current length (left uncommitted); returns (states, log-probs).
-        self._reserve(ids.shape[0])
-        h, logits = self.draft.forward_step(ids[None], hidden[None], positions[None],
-                                            CacheAttention(self._cache, mask))  # [1, T, d], [1, T, V_d]
-        return h[0], self._full_vocab_logprobs(logits[0])
-
-    def _full_vocab_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
-        # Draft id i predicts target id i + d2t[i]; every other target id is impossible for the draft.
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [T, V_d]
-        out = logp.new_full((logp.shape[0], self.draft.config.vocab_size), float("-inf"))  # [T, V]
-        out[:, self._target_ids] = logp
-        return out
-
-    def _append_rows(self, ids: list[int], aux: torch.Tensor) -> None:
-        # Commit rows for target positions committed..committed+n-1 from their target features.
-        device = self.draft.fc.weight.device
-        n = len(ids)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=device)  # [n]
-        positions = torch.arange(self._committed, self._committed + n, device=device)  # [n]
-        h, logp = self._run(ids_t, aux.to(device), positions)  # [n, d], [n, V]
-        self._cache.commit(n)
-        self._committed += n
-        self._num_tokens += n
-        self._h_last, self._root_logprobs = h[-1], logp[-1]
-
-    # ---- the drafter protocol ---------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def reset(self, state: DecodeState) -> None:
-        """Check the target, then run the draft over the prompt rows (the last one consumes the root)."""
+        ``side``: keys the prompt rows also attend to (its mask is ``[prompt rows, P]``)."""
         self.check_compatible(state.target)
         if state.accepted_aux is None:
-            raise ValueError("Eagle3Drafter needs the target's aux hidden states (the engine captures "
+            raise ValueError(f"{type(self).__name__} needs the target's aux hidden states (the engine captures "
                              "aux_layers(target))")
         p = state.accepted_aux.shape[0]
         if len(state.tokens) != p + 1:
             raise ValueError(f"expected prompt + root ({p + 1} tokens) after prefill, "
                              f"got {len(state.tokens)}")
-        self._target_ids = self.draft.target_ids()
-        self._cache = self.draft.new_cache(1, p + self.cache_chunk)
-        self._committed, self._num_tokens = 0, 1
-        self._append_rows(state.tokens[1:p + 1], state.accepted_aux)
+        self.rows.start(p)
+        self.rows.append(state.tokens[1:p + 1], state.accepted_aux, side)
 
-    @torch.no_grad()
-    def propose(self, state: DecodeState) -> DraftTree:
-        """Grow an EAGLE-2 dynamic tree from the root (``state.tokens[-1]``)."""
-        if len(state.tokens) != self._num_tokens:
-            raise RuntimeError(f"the draft cache accounts for {self._num_tokens} tokens but the sequence has "
+    def grow(self, state: DecodeState, side: SideKeys | None = None) -> DraftTree:
+        """An EAGLE-2 dynamic tree from the root (``state.tokens[-1]``); every tree row also sees ``side``
+        (whose mask, if any, is ignored: the rows of one expansion differ in number)."""
+        rows = self.rows
+        if len(state.tokens) != rows.num_tokens:
+            raise RuntimeError(f"the draft cache accounts for {rows.num_tokens} tokens but the sequence has "
                                f"{len(state.tokens)}: call reset/update after every engine step")
-        committed = self._committed
-        device = self.draft.fc.weight.device
+        committed = rows.committed
+        device = rows.device
+        tree_side = SideKeys(side.kv) if side is not None else None
         max_candidates = 1 + self.top_k + max(self.depth - 1, 0) * self.top_k ** 2
         slot = torch.full((max_candidates,), -1, dtype=torch.long)  # [Cmax] cache row of each candidate
         states: dict[int, torch.Tensor] = {}  # candidate -> its row's output state [d]
 
         def expand(batch: FrontierBatch) -> torch.Tensor:
             if batch.depth == 0:
-                return self._root_logprobs[None]  # [1, V]
+                return rows.root_logprobs[None]  # [1, V]
             nodes, parents = batch.node_ids.tolist(), batch.parents.tolist()
             f, c = len(nodes), batch.num_candidates
-            hidden = torch.stack([self._h_last if p == 0 else states[p] for p in parents])  # [F, d]
+            hidden = torch.stack([rows.h_last if p == 0 else states[p] for p in parents])  # [F, d]
             # Growing first keeps the slot numbers below valid for the cache the rows are written to.
-            self._reserve(f)
-            past = self._cache.length
+            rows.reserve(f)
+            past = rows.cache.length
             slot[batch.node_ids] = torch.arange(past, past + f)
             mask = torch.zeros(f, past + f, dtype=torch.bool)  # [F, S]
             mask[:, :committed] = True
@@ -192,8 +157,8 @@ class Eagle3Drafter(Drafter):
             mask[:, slot[written]] = batch.ancestor_mask[:, written]
             ids = batch.tokens.to(device)  # [F]
             positions = torch.full((f,), committed - 1 + batch.depth, dtype=torch.long, device=device)  # [F]
-            h, logp = self._run(ids, hidden, positions, mask.to(device))  # [F, d], [F, V]
-            self._cache.commit(f)
+            h, logp = rows.run(ids, hidden, positions, mask.to(device), tree_side)  # [F, d], [F, V]
+            rows.cache.commit(f)
             for j, node in enumerate(nodes):
                 states[node] = h[j]
             return logp
@@ -202,19 +167,37 @@ class Eagle3Drafter(Drafter):
             return build_dynamic_tree(state.root, expand, top_k=self.top_k, depth=self.depth,
                                       total_tokens=self.total_tokens)
         finally:
-            self._cache.truncate(committed)
+            rows.rollback()
+
+    def accept(self, state: DecodeState, out: VerifyOutput, side: SideKeys | None = None) -> int:
+        """Append the rows of the kept tokens (accepted nodes + bonus) from the verify pass's features;
+        returns how many (``side`` mask: ``[kept, P]``)."""
+        rows = self.rows
+        rows.rollback()
+        # The engine may keep fewer tokens than the path offers (EOS, token budget): only those get rows.
+        # Row j consumes kept token j with the features of kept node j (the root first).
+        n = out.kept
+        if n != len(state.tokens) - rows.num_tokens:
+            raise RuntimeError(f"{out.kept} tokens kept but the sequence grew by "
+                               f"{len(state.tokens) - rows.num_tokens}: one update per engine round")
+        if n > 0:
+            start = rows.num_tokens
+            rows.append(state.tokens[start:start + n], out.accepted_aux, side)
+        return n
+
+    # ---- the drafter protocol ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reset(self, state: DecodeState) -> None:
+        """Check the target, then run the draft over the prompt rows (the last one consumes the root)."""
+        self.start(state)
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState) -> DraftTree:
+        """Grow an EAGLE-2 dynamic tree from the root (``state.tokens[-1]``)."""
+        return self.grow(state)
 
     @torch.no_grad()
     def update(self, state: DecodeState, out: VerifyOutput) -> None:
         """Append the rows of the kept tokens (accepted nodes + bonus) from the verify pass's features."""
-        self._cache.truncate(self._committed)
-        # The engine may keep fewer tokens than the path offers (EOS, token budget): only those get rows.
-        # Row j consumes kept token j with the features of kept node j (the root first).
-        n = out.kept
-        if n != len(state.tokens) - self._num_tokens:
-            raise RuntimeError(f"{out.kept} tokens kept but the sequence grew by "
-                               f"{len(state.tokens) - self._num_tokens}: one update per engine round")
-        if n <= 0:
-            return
-        start = self._num_tokens
-        self._append_rows(state.tokens[start:start + n], out.accepted_aux)
+        self.accept(state, out)

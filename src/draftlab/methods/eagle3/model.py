@@ -19,6 +19,7 @@ without the layer knowing which one it runs under.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -164,9 +165,10 @@ class CacheAttention:
     the forward, which is what lets a drafter expand tree frontiers and then keep only accepted rows.
     """
 
-    def __init__(self, cache: KVCache, attn_mask: torch.Tensor | None = None):
+    def __init__(self, cache: KVCache, attn_mask: torch.Tensor | None = None, side: SideKeys | None = None):
         self.cache = cache
         self.attn_mask = attn_mask
+        self.side = side
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         T = q.shape[2]
@@ -175,10 +177,39 @@ class CacheAttention:
         S = past + T
         mask = self.attn_mask
         if mask is None:
-            mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
+            mask = None if T == 1 and self.side is None else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
         elif mask.shape[-2:] != (T, S):
             raise ValueError(f"attn_mask must be [.., {T}, {S}] (new rows x (cached + new)), got {tuple(mask.shape)}")
+        if self.side is not None:
+            k_all, v_all, mask = self.side.extend(layer, k_all, v_all, mask)
         return masked_attention(q, k_all, v_all, mask, scale)
+
+
+@dataclass
+class SideKeys:
+    """Keys/values outside the draft cache that a pass's rows also attend to (ConFu's future tokens).
+
+    kv    one ``(k, v)`` pair per draft layer, each ``[1, Hkv, P, hd]`` (already rotated at their positions).
+    mask  bool ``[T, P]``: which of the pass's T rows sees which side key; None = every row sees all.
+    Keeping them out of the cache means committed rows never have to move around them.
+    """
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    mask: torch.Tensor | None = None
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``k/v [B, Hkv, S, hd]`` with the side keys appended, ``mask [.., T, S]`` widened to ``S + P``."""
+        sk, sv = self.kv[layer]
+        T, P = mask.shape[-2], sk.shape[2]
+        side = (self.mask.to(device=mask.device, dtype=torch.bool) if self.mask is not None
+                else torch.ones(T, P, dtype=torch.bool, device=mask.device))
+        if side.shape != (T, P):
+            raise ValueError(f"side key mask must be [{T}, {P}] (rows x side keys), got {tuple(side.shape)}")
+        side = side.expand(*mask.shape[:-1], P)
+        return (torch.cat([k, sk.to(k.dtype).expand(k.shape[0], -1, -1, -1)], dim=2),
+                torch.cat([v, sv.to(v.dtype).expand(v.shape[0], -1, -1, -1)], dim=2),
+                torch.cat([mask, side], dim=-1))
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""The training-time-test step and its metrics, as components any TTT-trained method composes.
+
+``TTTStep`` holds the TTT settings and runs ``ttt.ttt_forward``; ``TTTMetrics`` logs a step's per-TTT-step
+statistics and aggregates validation over the whole split (numerators and denominators summed, across
+ranks too, before dividing). EAGLE-3 and ConFu both train this way; ConFu only hands the step its own
+attention (future keys) and row mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftlab.methods.eagle3.ttt import NORMALIZATIONS, TTTAttention, TTTOutput, simulated_tau, ttt_forward
+
+_SUMMED = ("correct", "count", "cond_correct", "cond_count", "accept_sum", "loss_sum", "loss_denom")
+
+
+@dataclass
+class TTTStep:
+    """``ttt_length`` unrolled steps, step k weighted ``step_weight ** k``, losses normalised by
+    ``normalization`` (``batch_tokens``: EAGLE/SpecForge; ``mask_sum``: speculators)."""
+
+    ttt_length: int = 7
+    step_weight: float = 0.8
+    normalization: str = "batch_tokens"
+    naive_attention: bool = False
+
+    def __post_init__(self):
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got '{self.normalization}'")
+        if self.ttt_length < 1:
+            raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
+
+    def __call__(self, draft, input_ids: torch.Tensor, aux: torch.Tensor, logits: torch.Tensor,
+                 loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                 attention: TTTAttention | None = None, row_mask: torch.Tensor | None = None) -> TTTOutput:
+        return ttt_forward(draft, input_ids, aux, logits, loss_mask, attention_mask, ttt_length=self.ttt_length,
+                           step_weight=self.step_weight, normalization=self.normalization,
+                           naive=self.naive_attention, attention=attention, row_mask=row_mask)
+
+
+class TTTMetrics:
+    """``train/*`` per step and ``val/*`` per epoch for a module trained with ``TTTStep`` outputs.
+
+    Train: ``loss``, ``ploss_k``, ``acc_k``, ``cond_acc_k``, ``acceptance_rate_k``. Validation: the same from
+    split-wide sums, plus ``val/simulated_tau`` = 1 + Σ_k Π_{j≤k} cond_acc_j (expected tokens per verify
+    round of a greedy chain, bonus included; the checkpoint metric) and SpecForge's
+    ``val/simulated_acc_len`` = Σ_k Π_{j≤k} acc_j.
+    """
+
+    def __init__(self, step_weight: float):
+        self.step_weight = step_weight
+        self._val: list[dict[str, torch.Tensor]] | None = None
+
+    def log_train(self, module, out: TTTOutput, batch_size: int) -> None:
+        logs = {"train/loss": out.loss.detach()}
+        for k, s in enumerate(out.per_step):
+            logs[f"train/ploss_{k}"] = s["loss"].detach()
+            logs[f"train/acc_{k}"] = s["acc"]
+            logs[f"train/cond_acc_{k}"] = s["cond_acc"]
+            logs[f"train/acceptance_rate_{k}"] = s["acceptance_rate"]
+        module.log_dict(logs, batch_size=batch_size, prog_bar=False)
+        module.log("train/acc_0_bar", out.per_step[0]["acc"], batch_size=batch_size, prog_bar=True, logger=False)
+
+    def start_validation(self) -> None:
+        self._val = None
+
+    def add_validation(self, out: TTTOutput) -> None:
+        sums = [{name: s[name].detach().double() for name in _SUMMED} for s in out.per_step]
+        if self._val is None:
+            self._val = sums
+            return
+        for acc, new in zip(self._val, sums):
+            for name in _SUMMED:
+                acc[name] = acc[name] + new[name]
+
+    def log_validation(self, module) -> None:
+        if self._val is None:
+            return
+        # Sum numerators and denominators across ranks, then divide (averaging ratios would be wrong).
+        stacked = torch.stack([torch.stack([s[n] for n in _SUMMED]) for s in self._val])  # [K, 7]
+        stacked = module.trainer.strategy.reduce(stacked.to(module.device), reduce_op="sum").cpu()
+        logs, acc, cond = {}, [], []
+        total = 0.0
+        for k, row in enumerate(stacked.tolist()):
+            s = dict(zip(_SUMMED, row))
+            acc.append(s["correct"] / max(1.0, s["count"]))
+            cond.append(s["cond_correct"] / max(1.0, s["cond_count"]))
+            ploss = s["loss_sum"] / max(1e-12, s["loss_denom"])
+            total += self.step_weight ** k * ploss
+            logs[f"val/acc_{k}"] = acc[-1]
+            logs[f"val/cond_acc_{k}"] = cond[-1]
+            logs[f"val/acceptance_rate_{k}"] = s["accept_sum"] / max(1.0, s["count"])
+            logs[f"val/ploss_{k}"] = ploss
+        logs["val/loss"] = total
+        logs["val/simulated_tau"] = simulated_tau(cond)
+        logs["val/simulated_acc_len"] = simulated_tau(acc, include_bonus=False)
+        module.log_dict({k: float(v) for k, v in logs.items()}, sync_dist=False)
+        self._val = None
+
+
+class TTTHooks:
+    """The Lightning step hooks of a module trained by TTT: mix into a ``LightningModule`` that has
+    ``loss(batch) -> TTTOutput`` and a ``metrics: TTTMetrics`` (EAGLE-3 and ConFu do)."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.loss(batch)
+        self.metrics.log_train(self, out, batch["input_ids"].shape[0])
+        return out.loss
+
+    def on_validation_epoch_start(self) -> None:
+        self.metrics.start_validation()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.metrics.add_validation(self.loss(batch))
+
+    def on_validation_epoch_end(self) -> None:
+        self.metrics.log_validation(self)

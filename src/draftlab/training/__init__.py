@@ -1,0 +1,1 @@
+"""Training components shared by every method's LightningModule (schedules, optimiser wiring)."""

@@ -1,0 +1,58 @@
+"""Learning-rate schedules as ``_partial_`` config components, and the optimiser wiring every module shares.
+
+A method's ``module`` block names its schedule like its optimiser::
+
+    optimizer: {_target_: torch.optim.AdamW, _partial_: true, lr: 1.0e-4}
+    schedule: {_target_: draftlab.training.schedule.warmup_cosine, _partial_: true, warmup_ratio: 0.015}
+
+and its ``configure_optimizers`` is one call: ``return configure(self, params, self.optimizer_factory,
+self.schedule_factory, self.total_steps)``. A schedule factory takes ``(optimizer, total_steps=)`` and
+returns a per-step ``torch.optim.lr_scheduler.LRScheduler``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+
+def cosine_with_warmup(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:
+    """LR multiplier: linear warm-up from 0 to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_ratio: float = 0.015,
+                  min_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``warmup_ratio`` of the run's steps, then cosine decay to ``min_ratio`` (EAGLE,
+    SpecForge, DFlash all train this way)."""
+    if not 0.0 <= warmup_ratio < 1.0:
+        raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+    warmup = int(round(warmup_ratio * total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, partial(cosine_with_warmup, warmup_steps=warmup, total_steps=total_steps, min_ratio=min_ratio))
+
+
+def constant(optimizer: torch.optim.Optimizer, *, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """No schedule (the optimiser's learning rate throughout)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+ScheduleFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
+
+
+def configure(module, params, optimizer_factory, schedule_factory: ScheduleFactory | None,
+              total_steps: int | None = None) -> dict:
+    """What ``LightningModule.configure_optimizers`` returns: the optimiser over ``params`` (parameters or
+    param groups) and the schedule stepped every optimiser step over the run's ``total_steps`` (default:
+    the trainer's estimate)."""
+    opt = optimizer_factory(params)
+    total = total_steps or int(module.trainer.estimated_stepping_batches)
+    schedule_factory = schedule_factory or warmup_cosine
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule_factory(opt, total_steps=total), "interval": "step"}}
