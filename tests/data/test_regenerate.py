@@ -81,3 +81,56 @@ def test_duplicate_ids_rejected(tiny_target, tmp_path):
     convs = _convs(2) + _convs(1)
     with pytest.raises(ValueError, match="unique conversation ids"):
         regenerate(tiny_target, convs, tmp_path / "x.jsonl", CFG, progress=False)
+
+
+def _flaky_generate(monkeypatch, fail_batches: set[int]):
+    # ``_generate`` raising (as out-of-memory would) on its calls numbered in ``fail_batches`` (0-based).
+    real, calls = regen_mod._generate, {"n": 0}
+
+    def flaky(*args, **kwargs):
+        n = calls["n"]
+        calls["n"] += 1
+        if n in fail_batches:
+            raise RuntimeError("out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regen_mod, "_generate", flaky)
+
+
+def test_a_failed_generation_is_retried_by_the_next_run(tiny_target, tmp_path, monkeypatch):
+    """A generation call that fails once, then succeeds: the failed conversations are recorded with their
+    reason, counted as errors (to retry), and the next run regenerates them -- identical to a run that
+    never failed."""
+    full = tmp_path / "full" / "regen.jsonl"
+    regenerate(tiny_target, _convs(), full, CFG, progress=False)
+
+    out = tmp_path / "flaky" / "regen.jsonl"
+    _flaky_generate(monkeypatch, {0})  # the first call: turn 1 of the first batch (c0, c1, c2)
+    first = regenerate(tiny_target, _convs(), out, CFG, progress=False)
+    assert first.complete and (first.success, first.error, first.skipped) == (7, 3, 1)
+    assert first.retry_ids == ["c0", "c1", "c2"] and first.failed_ids == []
+    errors = [json.loads(x) for x in out.with_name("regen.errors.jsonl").read_text().splitlines()]
+    assert [(e["id"], e["attempt"]) for e in errors] == [("c0", 1), ("c1", 1), ("c2", 1)]
+    assert all("out of memory" in e["error"] for e in errors)
+
+    monkeypatch.undo()  # the generation works again
+    second = regenerate(tiny_target, _convs(), out, CFG, progress=False)
+    assert second.complete and (second.success, second.error, second.skipped) == (10, 0, 1)
+    assert second.retry_ids == [] and second.failed_ids == []
+    # Same batch composition and seed: the retried records equal those of the run that never failed.
+    assert {c.id: c.messages for c in load_regenerated(out)} == {c.id: c.messages for c in load_regenerated(full)}
+
+
+def test_a_conversation_that_always_fails_is_given_up_after_max_attempts(tiny_target, tmp_path, monkeypatch):
+    out = tmp_path / "regen.jsonl"
+    cfg = RegenConfig(**{**CFG.__dict__, "max_attempts": 2})
+    _flaky_generate(monkeypatch, set(range(1000)))  # every call fails
+    reports = [regenerate(tiny_target, _convs(4), out, cfg, progress=False) for _ in range(3)]
+    assert [r.retry_ids for r in reports[:1]] == [["c0", "c1", "c2", "c3"]]
+    assert reports[1].failed_ids == ["c0", "c1", "c2", "c3"] and reports[1].retry_ids == []
+    assert all(r.complete and r.error == 4 and r.skipped == 1 for r in reports)
+    # The third run attempts nothing: every failure used its attempts.
+    assert len(out.with_name("regen.errors.jsonl").read_text().splitlines()) == 8
+    assert "given up after all attempts: c0, c1, c2, c3" in str(reports[2])
+    with pytest.raises(ValueError, match="max_attempts"):
+        RegenConfig(max_attempts=0)

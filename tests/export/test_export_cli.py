@@ -196,3 +196,29 @@ def test_console_script_is_registered():
 
     scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
     assert scripts.get("draftlab-export") == "draftlab.cli.export:main"
+
+
+def test_a_failed_validation_leaves_nothing_that_looks_valid(trained, tmp_path, monkeypatch):
+    """Exports are written to a hidden sibling, validated there, then renamed: a failing validator leaves no
+    output directory (and no temporary one), and an earlier good export in its place stays untouched."""
+    import draftlab.export.convert as convert
+
+    _, ckpt = trained
+    out = tmp_path / "out"
+
+    def failing(path, fmt):
+        raise ValueError(f"{path}: invalid (simulated)")
+
+    monkeypatch.setattr(convert, "check_valid", failing)
+    with pytest.raises(ValueError, match="simulated"):
+        export_checkpoint(ckpt, out, format="native")
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+    monkeypatch.undo()
+    good = export_checkpoint(ckpt, out, format="native")["native"]
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+    monkeypatch.setattr(convert, "check_valid", failing)
+    with pytest.raises(ValueError, match="simulated"):
+        export_checkpoint(ckpt, out, format="native")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())

@@ -45,7 +45,7 @@ class Gather(L.Callback):
                                             "before": self.before.tolist(), "steps": trainer.global_step}))
 
 
-def main(trainer_name: str, out: str) -> None:
+def main(trainer_name: str, out: str, accelerator: str = "cpu") -> None:
     torch.set_num_threads(1)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"trainer={trainer_name}", "paths.output_dir=.",
@@ -59,11 +59,11 @@ def main(trainer_name: str, out: str) -> None:
     module = Eagle3Module(draft, target, ttt_length=2, optimizer=partial(torch.optim.AdamW, lr=1e-3))
     # Each rank draws different batches, so equal weights afterwards show gradients were all-reduced.
     dm = Eagle3DataModule(samples, batch_size=2, val_fraction=0.0)
-    trainer = instantiate(cfg.trainer, accelerator="cpu", devices=2, max_epochs=1, max_steps=3, logger=False,
+    trainer = instantiate(cfg.trainer, accelerator=accelerator, devices=2, max_epochs=1, max_steps=3, logger=False,
                           enable_checkpointing=False, enable_progress_bar=False, use_distributed_sampler=False,
                           callbacks=[Gather(Path(out), checksum(module))], default_root_dir=str(Path(out).parent))
     trainer.fit(module, datamodule=dm)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

@@ -145,7 +145,17 @@ def test_interrupted_run_resumes_to_identical_weights(tiny_target, tmp_path, off
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("trainer_name", ["ddp"])  # ddp_spawn: same check, run by hand (costs a minute)
+def test_fsdp_is_refused_on_cpu_by_lightning():
+    """Lightning's FSDP strategy needs CUDA (conf/trainer/fsdp.yaml says so); this test fails the day it runs
+    on CPU, so that the 2-process check below can then run on every machine."""
+    import lightning as L
+
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):
+        L.Trainer(accelerator="cpu", strategy="fsdp", devices=2, logger=False)
+
+
+@pytest.mark.parametrize("trainer_name", ["ddp", pytest.param("fsdp", marks=pytest.mark.gpu)])
+# ddp_spawn: same check, run by hand (costs a minute)
 def test_ddp_on_two_cpu_processes_keeps_ranks_in_sync(tmp_path, trainer_name):
     import json
     import subprocess
@@ -155,7 +165,8 @@ def test_ddp_on_two_cpu_processes_keeps_ranks_in_sync(tmp_path, trainer_name):
     out = tmp_path / "sums.json"
     worker = Path(__file__).with_name("ddp_worker.py")
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.run([sys.executable, str(worker), trainer_name, str(out)], cwd=tmp_path, env=env,
+    accelerator = "gpu" if trainer_name == "fsdp" else "cpu"
+    proc = subprocess.run([sys.executable, str(worker), trainer_name, str(out), accelerator], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())

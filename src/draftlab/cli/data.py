@@ -5,10 +5,11 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from draftlab.cli import config_dir
+from draftlab.cli import config_dir, report_user_errors
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="data_stage")
+@report_user_errors
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from draftlab.cli import config_dir
+from draftlab.cli import config_dir, report_user_errors
 
 # Embedded asset targets have no hub id of their own; vLLM loads the verifier by this name.
 _HUB_NAMES = {"asset:smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", ["LlamaForCausalLM"])}
@@ -34,6 +34,7 @@ def run_export(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="export")
+@report_user_errors
 def main(cfg: DictConfig) -> None:
     for fmt, path in run_export(cfg).items():
         print(f"{fmt} export: {path}")

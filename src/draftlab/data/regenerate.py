@@ -11,6 +11,11 @@ seed derived from (seed, batch index), and records are flushed and fsync'd one b
 resumed by re-running the same command: a torn last line is dropped, finished batches are skipped, and a
 half-written batch is generated again with the same composition and seed, writing only its missing ids.
 So an interrupted run ends with exactly the records of an uninterrupted one: nothing lost, nothing twice.
+
+Failures are retried. A conversation whose generation raised (out of memory, an interrupted worker, a
+template that rejects its history) gets an error record with the reason and its attempt number, and is
+*not* done: the next run generates its batch again, up to ``max_attempts`` attempts in all. Only then is it
+given up and reported by id. A later success supersedes earlier error records of the same id.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +51,12 @@ class RegenConfig:
     max_assistant_turns: int | None = None
     # Stop after this many batches (None = all); the next run resumes. Handy for budgeted CPU runs.
     max_batches: int | None = None
+    # Attempts per conversation, over all runs, before a failing one is given up (reported by id).
+    max_attempts: int = 3
+
+    def __post_init__(self):
+        if self.max_attempts < 1:
+            raise ValueError(f"regen.max_attempts must be >= 1, got {self.max_attempts}")
 
 
 @dataclass
@@ -57,6 +69,8 @@ class RegenReport:
     new_tokens: int = 0
     seconds: float = 0.0
     pending: int = 0  # not attempted yet (max_batches reached)
+    retry_ids: list[str] = field(default_factory=list)  # failed, attempts left: the next run retries them
+    failed_ids: list[str] = field(default_factory=list)  # failed max_attempts times: given up
     paths: dict = field(default_factory=dict)
 
     @property
@@ -67,7 +81,9 @@ class RegenReport:
         tps = self.new_tokens / self.seconds if self.seconds > 0 else 0.0
         return (f"regeneration: {self.input} input = {self.success} success + {self.error} error + "
                 f"{self.skipped} skipped + {self.pending} pending ({self.resumed_done} already done before this run; "
-                f"{self.new_tokens} new tokens at {tps:.1f} tok/s)")
+                f"{self.new_tokens} new tokens at {tps:.1f} tok/s)"
+                + (f"; {len(self.retry_ids)} failed with attempts left, re-run to retry them" if self.retry_ids else "")
+                + (f"; given up after all attempts: {', '.join(self.failed_ids)}" if self.failed_ids else ""))
 
 
 def _side_paths(out: Path) -> tuple[Path, Path]:
@@ -77,8 +93,13 @@ def _side_paths(out: Path) -> tuple[Path, Path]:
 
 def _read_done_ids(path: Path) -> set[str]:
     """Ids already written to ``path``; a torn last line (killed mid-write) is cut off the file."""
+    return set(_read_ids(path))
+
+
+def _read_ids(path: Path) -> list[str]:
+    """Every record's id in ``path``, repeats included (one error record per failed attempt)."""
     if not path.exists():
-        return set()
+        return []
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
@@ -86,7 +107,7 @@ def _read_done_ids(path: Path) -> set[str]:
             f.truncate(cut)
         log.warning("%s: dropped a torn last line left by an interrupted run", path)
         data = data[:cut]
-    return {json.loads(line)["id"] for line in data.decode("utf-8").splitlines() if line.strip()}
+    return [json.loads(line)["id"] for line in data.decode("utf-8").splitlines() if line.strip()]
 
 
 class _Appender:
@@ -148,8 +169,10 @@ def regenerate(target, conversations: Sequence[Conversation], out_path: str | Pa
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"regeneration needs unique conversation ids; '{dup}' occurs more than once")
-    done = {"success": _read_done_ids(out_path), "error": _read_done_ids(err_path), "skipped": _read_done_ids(skip_path)}
-    all_done = set().union(*done.values())
+    success, skipped = _read_done_ids(out_path), _read_done_ids(skip_path)
+    attempts = Counter(_read_ids(err_path))  # failed attempts per id
+    # Done: succeeded, skipped, or failed every attempt. Other failures are generated again.
+    all_done = success | skipped | {i for i, n in attempts.items() if n >= cfg.max_attempts}
     report = RegenReport(input=len(conversations), resumed_done=len(all_done & set(ids)),
                          paths={"success": str(out_path), "error": str(err_path), "skipped": str(skip_path)})
     writers = {"success": _Appender(out_path), "error": _Appender(err_path), "skipped": _Appender(skip_path)}
@@ -233,9 +256,15 @@ def regenerate(target, conversations: Sequence[Conversation], out_path: str | Pa
                 elif st == "skipped":
                     rec = {"id": c.id, "reason": reason[k]}
                 else:
-                    rec = {"id": c.id, "error": reason[k]}
+                    attempts[c.id] += 1
+                    rec = {"id": c.id, "error": reason[k], "attempt": attempts[c.id]}
+                    if attempts[c.id] < cfg.max_attempts:
+                        log.warning("conversation %s failed (attempt %d of %d; the next run retries it): %s",
+                                    c.id, attempts[c.id], cfg.max_attempts, reason[k])
+                    else:
+                        log.error("conversation %s failed %d times, giving up: %s", c.id, attempts[c.id], reason[k])
                 writers[st].write(rec)
-                all_done.add(c.id)
+                all_done.add(c.id)  # within this run; a failure with attempts left is retried by the next
             bar.update(1)
             bar.set_postfix(tok_s=f"{report.new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
     finally:
@@ -244,9 +273,13 @@ def regenerate(target, conversations: Sequence[Conversation], out_path: str | Pa
             w.close()
     report.seconds = time.perf_counter() - t0
     # Totals over all runs so far, so the invariant success + error + skipped (+ pending) == input is visible.
-    final = {"success": _read_done_ids(out_path), "error": _read_done_ids(err_path), "skipped": _read_done_ids(skip_path)}
     idset = set(ids)
-    report.success, report.error, report.skipped = (len(final[k] & idset) for k in ("success", "error", "skipped"))
+    success, skipped = _read_done_ids(out_path) & idset, _read_done_ids(skip_path) & idset
+    attempts = Counter(i for i in _read_ids(err_path) if i in idset)
+    failing = [i for i in ids if i in attempts and i not in success and i not in skipped]  # input order
+    report.success, report.skipped, report.error = len(success), len(skipped), len(failing)
+    report.failed_ids = [i for i in failing if attempts[i] >= cfg.max_attempts]
+    report.retry_ids = [i for i in failing if attempts[i] < cfg.max_attempts]
     report.pending = report.input - report.success - report.error - report.skipped
     return report
 

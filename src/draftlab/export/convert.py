@@ -19,6 +19,8 @@ from draftlab.export.native import load_native, save_native
 from draftlab.export.speculators import load_speculators, save_speculators
 from draftlab.export.validate import check_valid
 from draftlab.methods.eagle3.model import Eagle3Draft
+from draftlab.utils.atomic import atomic_dir
+from draftlab.utils.errors import ArtifactError
 from draftlab.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -47,9 +49,33 @@ def load_draft(path: str | Path, *, target=None, require_embedding: bool = True,
     has none; ``require_embedding=False`` accepts its absence (the embedding is then NaN-filled).
     """
     kind = detect_source(path)
+    if target is not None and not is_target_factory(target):
+        check_fits_target(path, target)  # before any weight is read
     loader = {"lightning": draft_from_lightning_checkpoint, "native": load_native,
               "speculators": load_speculators}[kind]
     return loader(path, target=target, require_embedding=require_embedding, dtype=dtype)
+
+
+def check_fits_target(path: str | Path, target) -> None:
+    """``ArtifactError`` naming the export's ``config.json`` and field when the draft was built for another
+    target geometry (its embedding is the target's, its fc reads the target's hidden states). Reads only
+    the config; Lightning checkpoints hold their config beside the weights and are checked on load."""
+    kind = detect_source(path)
+    if kind == "lightning":
+        return
+    file = Path(path) / CONFIG_FILE
+    cfg = read_config(path)
+    layer = (cfg.get("transformer_layer_config") or {}) if kind == "speculators" else cfg
+    prefix = "transformer_layer_config." if kind == "speculators" else ""
+    g, name = target.geometry, getattr(target, "name", "the target")
+    checks = [(prefix + "hidden_size", layer.get("hidden_size"), g.hidden_size, "hidden size (the shared embedding)"),
+              ("target_hidden_size", cfg.get("target_hidden_size") or layer.get("hidden_size"), g.hidden_size,
+               "hidden size of the features its fc reads"),
+              (prefix + "vocab_size", layer.get("vocab_size"), g.vocab_size, "vocabulary")]
+    for field, value, want, what in checks:
+        if value is not None and int(value) != int(want):
+            raise ArtifactError(f"the draft was built for a target with {what} {value}, but {name} has {want}",
+                                file=file, field=field)
 
 
 def _source_max_positions(path: Path, kind: str) -> int | None:
@@ -104,17 +130,19 @@ def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, *, format:
     written: dict[str, Path] = {}
     for fmt in formats:
         out = output_dir / fmt if format == "both" else output_dir
-        if fmt == "native":
-            save_native(draft, out, dtype=dtype, include_embedding=include_embedding,
-                        verifier=verifier if verifier is not None else verifier_name_or_path,
-                        max_position_embeddings=max_position_embeddings)
-        else:
-            save_speculators(draft, out, verifier_name_or_path=verifier_name_or_path or info.get("name") or "",
-                             verifier_architectures=verifier_architectures or info.get("architectures"),
-                             speculative_tokens=speculative_tokens, dtype=dtype,
-                             include_embedding=include_embedding, max_position_embeddings=max_position_embeddings)
-        if validate:
-            check_valid(out, fmt)
+        # Written and validated in a hidden sibling, then renamed: a failed validation leaves nothing behind.
+        with atomic_dir(out) as tmp:
+            if fmt == "native":
+                save_native(draft, tmp, dtype=dtype, include_embedding=include_embedding,
+                            verifier=verifier if verifier is not None else verifier_name_or_path,
+                            max_position_embeddings=max_position_embeddings)
+            else:
+                save_speculators(draft, tmp, verifier_name_or_path=verifier_name_or_path or info.get("name") or "",
+                                 verifier_architectures=verifier_architectures or info.get("architectures"),
+                                 speculative_tokens=speculative_tokens, dtype=dtype,
+                                 include_embedding=include_embedding, max_position_embeddings=max_position_embeddings)
+            if validate:
+                check_valid(tmp, fmt)
         log.info("wrote %s export to %s", fmt, out)
         written[fmt] = out
     return written

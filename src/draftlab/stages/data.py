@@ -72,7 +72,8 @@ def run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
         rcfg = RegenConfig(**{k: v for k, v in OmegaConf.to_container(cfg.regen, resolve=True).items() if k != "enabled"},
                            seed=cfg.seed)
         # max_batches only limits how far one invocation gets; it must not change where results live.
-        key_cfg = {k: v for k, v in asdict(rcfg).items() if k != "max_batches"}
+        # max_batches / max_attempts only decide how far and how persistently runs go, not what they write.
+        key_cfg = {k: v for k, v in asdict(rcfg).items() if k not in ("max_batches", "max_attempts")}
         data_key = content_key(target_id, spec.fingerprint(), key_cfg)
         # One pool per (target, files, settings): a larger slice of the same files resumes a smaller one.
         pool_key = content_key(target_id, spec.pool_fingerprint(), key_cfg)

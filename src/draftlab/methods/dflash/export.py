@@ -20,9 +20,6 @@ place, so a crash or an invalid draft never leaves a half-written export where a
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,6 +30,7 @@ from draftlab.methods.dflash.config import DFlashConfig, default_taps
 from draftlab.methods.dflash.model import DFlashDraft
 from draftlab.methods.eagle3.config import rope_from_hf_config
 from draftlab.targets.base import LayerConvention
+from draftlab.utils.atomic import atomic_dir
 
 ARCHITECTURE = "DFlashDraftModel"
 MODEL_TYPE = "qwen3"
@@ -154,25 +152,12 @@ def save(draft: DFlashDraft, out_dir: str | Path, *, target=None, dtype: str | t
                        max_position_embeddings=max_position_embeddings)
 
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         problems = validate(tmp, target=target)
         if problems:
             raise ValueError(f"refusing to write an invalid DFlash export to {out}:\n  - " + "\n  - ".join(problems))
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
