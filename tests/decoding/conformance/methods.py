@@ -83,3 +83,41 @@ def quick_train(spec: MethodSpec, target, *, steps: int = TRAIN_STEPS, lr: float
     finally:
         torch.set_num_threads(threads)
     return draft.eval()
+
+
+def first_losses(spec: MethodSpec, target, *, steps: int = 4, lr: float = 1e-3) -> list[float]:
+    """Training losses of the first ``steps`` optimizer steps (Adam) of a seeded fresh draft: the numbers a
+    change to a method's loss, data handling or initialisation moves (pinned in ``pinned_losses.json``)."""
+    cfg = OmegaConf.create(OmegaConf.to_container(spec.cfg, resolve=True))
+    # Few anchors where a config samples them: with one at every position of the tiny corpus, settings that
+    # decide what a row between two anchors sees (ConFu's replication window) would not change the loss.
+    if OmegaConf.select(cfg, "module.num_anchors", default=None) is not None:
+        OmegaConf.update(cfg, "module.num_anchors", 3)
+    spec = MethodSpec(cfg)
+    seqs = sequences(target)
+    samples = [RenderedSample(input_ids=s, loss_mask=[0] * (len(p) - 1) + [1] * (len(s) - len(p) + 1), id=f"{i}-{c}")
+               for c in range(4) for i, (p, s) in enumerate(zip(TRAIN_PROMPTS, seqs))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    losses: list[float] = []
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            draft = spec.build_draft(target, vocab_for(spec, target, seqs))
+            module = spec.build_module(draft, target)
+            dm = spec.build_datamodule(samples, features=None, pad_token_id=target.tokenizer.pad_token_id or 0, seed=0)
+            dm.setup("fit")
+            opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
+            draft.train()
+            while len(losses) < steps:
+                for batch in dm.train_dataloader():
+                    loss = module.training_step(batch, len(losses))
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    losses.append(float(loss.detach()))
+                    if len(losses) == steps:
+                        break
+    finally:
+        torch.set_num_threads(threads)
+    return losses

@@ -9,13 +9,17 @@ broken engines / drafters fail these very checks.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 from draftlab.decoding.drafter import Drafter
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
 from tests.decoding.conformance.checks import check_greedy_equals_ar, check_sampling_temperatures
-from tests.decoding.conformance.methods import METHODS, quick_train, sequences, spec, vocab_for
+from tests.decoding.conformance.methods import METHODS, first_losses, quick_train, sequences, spec, vocab_for
 from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT
 
 _trained: dict[str, object] = {}
@@ -93,6 +97,25 @@ def test_artifact_round_trip(tiny_target, make_drafter, name, tmp_path):
     out, stats = speculative_generate(tiny_target, UNSEEN_PROMPT, s.build_drafter(loaded), cfg, trace=True)
     assert out == ref and stats.accept_lengths == ref_stats.accept_lengths
     assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(stats.trace, ref_stats.trace))
+
+
+PINNED_LOSSES = Path(__file__).with_name("pinned_losses.json")
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if spec(m).trainable])
+def test_first_training_losses_are_pinned(tiny_target, name):
+    """The first 4 losses of a seeded fresh draft on the tiny target, against the committed values: a change
+    to a method's loss, data handling or initialisation shows here. ``DRAFTLAB_UPDATE_GOLDEN=1`` rewrites the
+    file (review the diff: only intended changes may move these numbers)."""
+    losses = first_losses(spec(name), tiny_target)
+    pinned = json.loads(PINNED_LOSSES.read_text()) if PINNED_LOSSES.exists() else {}
+    if os.environ.get("DRAFTLAB_UPDATE_GOLDEN") == "1":
+        pinned[name] = losses
+        PINNED_LOSSES.write_text(json.dumps(dict(sorted(pinned.items())), indent=1) + "\n")
+    assert name in pinned, f"no pinned losses for {name}: run with DRAFTLAB_UPDATE_GOLDEN=1 and commit the file"
+    # Relative 1e-4: float32 sums on another CPU round differently; any change of the loss itself moves more.
+    assert losses == pytest.approx(pinned[name], rel=1e-4), (name, losses, pinned[name])
+    assert losses[-1] < losses[0], "the first steps did not lower the loss"
 
 
 @pytest.mark.slow
