@@ -62,3 +62,12 @@ def test_appends_under_instantiated_blocks_and_group_choices_pass():
         reject_unread_appends(cfg, ["+train.lrr=1e-3"])
     with pytest.raises(ConfigError, match="'nowhere'"):
         reject_unread_appends(cfg, ["+nowhere=1"])
+
+
+def test_a_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path):
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"PK\x03\x04 truncated zip")
+    proc = _cli("draftlab.cli.export", f"checkpoint={ckpt}", f"output_dir={tmp_path / 'out'}", tmp_path=tmp_path)
+    line = _one_line(proc)
+    assert line.startswith(f"error: {ckpt}: ") and "truncated or corrupt" in line
+    assert not (tmp_path / "out").exists()

@@ -21,6 +21,7 @@ import torch
 from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.methods.eagle3.model import Eagle3Draft
 from draftlab.targets.base import LayerConvention, default_aux_layer_ids
+from draftlab.utils.errors import ArtifactError
 from draftlab.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -217,9 +218,9 @@ def read_config(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON: {e}") from e
+        raise ArtifactError(f"not valid JSON: {e.msg} (column {e.colno})", file=file, line=e.lineno) from e
     if not isinstance(data, dict):
-        raise ValueError(f"{file} must hold a JSON object")
+        raise ArtifactError("must hold a JSON object", file=file)
     return data
 
 
@@ -240,9 +241,9 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
             return load_file(str(file))
         sd = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # safetensors and torch raise several unrelated types for damaged files
-        raise ValueError(f"cannot read weights from {file}: {e}") from e
+        raise ArtifactError(f"cannot read weights (truncated or corrupt?): {type(e).__name__}: {e}", file=file) from e
     if not isinstance(sd, dict):
-        raise ValueError(f"{file} does not hold a state dict")
+        raise ArtifactError("does not hold a state dict", file=file)
     return sd
 
 

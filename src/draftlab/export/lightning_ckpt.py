@@ -15,6 +15,7 @@ import torch
 from draftlab.export.common import assemble_draft
 from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.methods.eagle3.model import Eagle3Draft
+from draftlab.utils.errors import ArtifactError
 
 DRAFT_PREFIX = "draft."
 # torch.compile wraps the module and inserts this component into every name.
@@ -31,10 +32,10 @@ def read_lightning_checkpoint(path: str | Path) -> tuple[Eagle3Config, dict[str,
         # them; only load checkpoints you trust.
         ckpt: Any = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # truncated zips, bad pickles and short reads raise unrelated types
-        raise ValueError(f"cannot read Lightning checkpoint {path} (truncated or corrupt?): "
-                         f"{type(e).__name__}: {e}") from e
+        raise ArtifactError(f"cannot read Lightning checkpoint (truncated or corrupt?): {type(e).__name__}: {e}",
+                            file=path) from e
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
+        raise ArtifactError("not a Lightning checkpoint (no 'state_dict')", file=path)
     if "eagle3_config" not in ckpt:
         raise ValueError(f"{path} holds no 'eagle3_config'; it was not written by the EAGLE-3 training module")
     try:
