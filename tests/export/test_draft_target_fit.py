@@ -38,3 +38,28 @@ def test_a_draft_for_another_hidden_size_is_refused_by_its_config(tmp_path, fmt,
     assert e.file == str(out / "config.json")
     assert e.field == ("hidden_size" if fmt == "native" else "transformer_layer_config.hidden_size")
     assert "48" in str(e) and "64" in str(e) and str(e).startswith(str(out / "config.json"))
+
+
+def test_a_lightning_checkpoint_for_another_target_is_refused_before_its_weights(tmp_path, monkeypatch):
+    from draftlab.export import lightning_ckpt
+    from tests.export.test_export_cli import write_lightning_checkpoint
+
+    other = tiny_random_target(hidden_size=48, num_heads=4, num_kv_heads=2)
+    ckpt = write_lightning_checkpoint(Eagle3Draft.from_target(other, draft_vocab_size=64, aux_layer_ids=[0, 0, 1]),
+                                      tmp_path / "other.ckpt")
+    assert load_draft(ckpt, target=other).config.hidden_size == 48  # fits its own target
+
+    real_load = lightning_ckpt.torch.load
+
+    def config_only(*a, **k):
+        # The check may map the file (mmap: tensors stay on disk), never read it whole.
+        if not k.get("mmap"):
+            raise AssertionError("weights were read before the geometry check")
+        return real_load(*a, **k)
+
+    monkeypatch.setattr(lightning_ckpt.torch, "load", config_only)
+    with pytest.raises(ArtifactError) as err:
+        load_draft(ckpt, target=tiny_random_target())
+    e = err.value
+    assert e.file == str(ckpt) and e.field == "eagle3_config.hidden_size"
+    assert "48" in str(e) and "64" in str(e)

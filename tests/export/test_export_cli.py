@@ -17,8 +17,9 @@ from draftlab.export import (
     load_draft,
     load_native,
     load_speculators,
-    validate_native,
+    validate_sglang,
     validate_speculators,
+    validate_vllm,
 )
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -92,23 +93,33 @@ def test_checkpoint_without_config_or_with_missing_weights(trained, tmp_path):
         draft_from_lightning_checkpoint(partial, require_embedding=False)
 
 
-def test_export_checkpoint_both_formats(trained, tiny_target, tmp_path):
+def test_export_checkpoint_all_formats(trained, tiny_target, tmp_path):
+    from draftlab.export.convert import export_formats
+
+    assert export_formats("both") == export_formats("all") == ["sglang", "vllm", "speculators"]
+    assert export_formats("native") == ["sglang"]
     draft, ckpt = trained
-    written = export_checkpoint(ckpt, tmp_path / "out", format="both", max_position_embeddings=4096,
+    written = export_checkpoint(ckpt, tmp_path / "out", format="all", max_position_embeddings=4096,
                                 verifier_name_or_path="org/tiny")
-    assert written == {"native": tmp_path / "out" / "native", "speculators": tmp_path / "out" / "speculators"}
-    assert validate_native(written["native"]) == [] and validate_speculators(written["speculators"]) == []
-    assert_same(draft, load_native(written["native"], target=tiny_target))
+    assert written == {f: tmp_path / "out" / f for f in ("sglang", "vllm", "speculators")}
+    assert validate_sglang(written["sglang"]) == [] and validate_vllm(written["vllm"]) == []
+    assert validate_speculators(written["speculators"]) == []
+    assert_same(draft, load_native(written["sglang"], target=tiny_target))
+    assert_same(draft, load_native(written["vllm"], target=tiny_target))
     assert_same(draft, load_speculators(written["speculators"], target=tiny_target))
     spec_cfg = json.loads((written["speculators"] / "config.json").read_text())
     assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
-    # Re-export from an export directory keeps its context length.
+    # Re-export from an export directory keeps its context length; "native" is the SGLang variant.
     again = export_checkpoint(written["speculators"], tmp_path / "again", format="native")
     cfg = json.loads((again["native"] / "config.json").read_text())
-    assert cfg["max_position_embeddings"] == 4096
+    assert cfg["max_position_embeddings"] == 4096 and cfg["draftlab"]["engine"] == "sglang"
+    with pytest.raises(ValueError, match="unknown export format"):
+        export_checkpoint(ckpt, tmp_path / "x", format="gguf")
 
 
-def test_export_builds_the_target_only_for_the_embedding(trained, tiny_target, tmp_path):
+def test_export_builds_the_target_only_when_needed(trained, tiny_target, tmp_path):
+    """A target factory is built for the embedding, or when it is the only source of the context length
+    (then its value is written, never 2048); the target's config, or an explicit value, spares the build."""
     draft, ckpt = trained
     calls = []
 
@@ -116,13 +127,29 @@ def test_export_builds_the_target_only_for_the_embedding(trained, tiny_target, t
         calls.append(1)
         return tiny_target
 
-    export_checkpoint(ckpt, tmp_path / "a", format="native", target=build)
-    assert calls == []  # no embedding written: the target is never built
-    out = export_checkpoint(ckpt, tmp_path / "b", format="speculators", include_embedding=True, target=build)
-    assert calls == [1]
+    want = tiny_target.model.config.max_position_embeddings
+    a = export_checkpoint(ckpt, tmp_path / "a", format="sglang", target=build,
+                          verifier_config=tiny_target.model.config)
+    b = export_checkpoint(ckpt, tmp_path / "b", format="vllm", target=build, max_position_embeddings=321)
+    assert calls == []  # no embedding written, context length known: the target is never built
+    assert json.loads((a["sglang"] / "config.json").read_text())["max_position_embeddings"] == want
+    assert json.loads((b["vllm"] / "config.json").read_text())["max_position_embeddings"] == 321
+    c = export_checkpoint(ckpt, tmp_path / "c", format="all", target=build)
+    assert calls == [1]  # built once, for its context length
+    for path in c.values():
+        cfg = json.loads((path / "config.json").read_text())
+        assert (cfg.get("transformer_layer_config") or cfg)["max_position_embeddings"] == want != 2048
+    out = export_checkpoint(ckpt, tmp_path / "d", format="speculators", include_embedding=True, target=build)
+    assert calls == [1, 1]
     assert_same(draft, load_speculators(out["speculators"]))  # self-contained now
     with pytest.raises(ValueError, match="target"):
-        export_checkpoint(ckpt, tmp_path / "c", format="native", include_embedding=True)
+        export_checkpoint(ckpt, tmp_path / "e", format="native", include_embedding=True)
+
+    def unreachable():
+        raise OSError("offline")  # a hub target on a machine without the hub: nothing names the context length
+
+    f = export_checkpoint(ckpt, tmp_path / "f", format="vllm", target=unreachable)
+    assert json.loads((f["vllm"] / "config.json").read_text())["max_position_embeddings"] == 2048
 
 
 def test_export_yaml_composes_and_runs(trained, tmp_path):
@@ -144,9 +171,10 @@ def test_export_yaml_composes_and_runs(trained, tmp_path):
     with open_dict(cfg):
         del cfg["hydra"]
     OmegaConf.resolve(cfg)
-    assert cfg.format == "both" and cfg.validate is True and cfg.speculative_tokens == 3
+    assert cfg.format == "all" and cfg.validate is True and cfg.speculative_tokens == 3
     written = run_export(cfg)
-    back = load_native(written["native"])  # embedding included: no target needed
+    assert set(written) == {"sglang", "vllm", "speculators"}
+    back = load_native(written["vllm"])  # embedding included: no target needed
     assert back.fc.weight.dtype == torch.bfloat16
     assert torch.equal(back.embed_tokens.weight, draft.embed_tokens.weight.to(torch.bfloat16))
     assert torch.equal(back.d2t, draft.d2t)
@@ -189,6 +217,27 @@ def test_console_entry_point_end_to_end(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as err:
         run_main(monkeypatch, f"checkpoint={tmp_path / 'nope.ckpt'}", f"output_dir={out}", logs)
     assert err.value.code != 0 and "nope.ckpt" in capsys.readouterr().err
+
+
+def test_console_export_takes_the_context_length_from_the_target(tmp_path, monkeypatch, capsys):
+    """The default target (SmolLM2-135M, max_position_embeddings 8192) is read from its config.json, never
+    built, and every format carries its context length (the old exporter wrote 2048 with a warning)."""
+    import draftlab.targets
+
+    def no_build(*a, **k):
+        raise AssertionError("the target was built although its config.json names the context length")
+
+    monkeypatch.setattr(draftlab.targets, "load_target", no_build)
+    ckpt = write_lightning_checkpoint(tiny_draft(), tmp_path / "run.ckpt")
+    out = tmp_path / "exported"
+    run_main(monkeypatch, f"checkpoint={ckpt}", f"output_dir={out}", f"paths.log_dir={tmp_path / 'logs'}")
+    printed = capsys.readouterr().out
+    for fmt in ("sglang", "vllm", "speculators"):
+        assert f"{fmt} export: {out / fmt}" in printed
+        cfg = json.loads((out / fmt / "config.json").read_text())
+        assert (cfg.get("transformer_layer_config") or cfg)["max_position_embeddings"] == 8192
+    spec = json.loads((out / "speculators" / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_console_script_is_registered():

@@ -14,8 +14,10 @@ from draftlab.export import (
     load_speculators,
     save_native,
     save_speculators,
+    save_vllm,
     validate_native,
     validate_speculators,
+    validate_vllm,
 )
 from draftlab.targets.base import LayerConvention, to_convention
 
@@ -94,6 +96,22 @@ def test_native_layout_matches_the_reference(tmp_path):
     assert "rope_scaling" not in cfg  # plain RoPE
     assert cfg["draftlab"]["layer_convention"] == "output_of"
     assert cfg["draftlab"]["eagle3_config"] == tiny_draft().config.to_dict()
+    assert cfg["draftlab"]["engine"] == "sglang" and "eagle_aux_hidden_state_layer_ids" not in cfg
+
+
+def test_vllm_layout(tmp_path):
+    """The vLLM variant: the native tensors, ids where every vLLM build looks (input_to), norm_output false."""
+    save_vllm(tiny_draft(), tmp_path)
+    assert {k: s for k, (s, _) in file_layout(tmp_path).items()} == NATIVE_LAYOUT
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 6, 10]  # AUX [1, 5, 9] output_of, + 1
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 6, 10]
+    assert cfg["norm_output"] is False and cfg["norm_before_residual"] is False
+    block = cfg["draftlab"]
+    assert block["engine"] == "vllm" and block["eagle_config_layer_convention"] == "input_to"
+    assert block["norm_output_meaning"] == "post_norm_state_fed_back"
+    assert block["eagle3_config"] == tiny_draft().config.to_dict()  # norm_output True: the final norm applies
 
 
 def test_speculators_layout_matches_the_reference(tmp_path):
@@ -133,6 +151,11 @@ def test_extra_layers_and_fc_norm_keys(tmp_path):
         assert f"layers.{i}.hidden_norm.weight" not in spec
     assert not any(k.startswith(("midlayer.", "additional_layers.")) for k in spec)
     assert not any(k.startswith("layers.") for k in native)
+    # vLLM maps only midlayer. (to layers.0.): its variant names the later layers as vLLM does.
+    save_vllm(draft, tmp_path / "v")
+    vllm = file_layout(tmp_path / "v")
+    assert {k for k in vllm if "layers." in k} == {k.replace("additional_layers.0.", "layers.1.").replace(
+        "additional_layers.1.", "layers.2.") for k in native if "layers." in k}
 
 
 def test_norm_before_fc_key(tmp_path):
@@ -159,11 +182,14 @@ def test_aux_ids_are_written_in_each_formats_convention(tmp_path, convention):
     ids = AUX if convention == "output_of" else [i + 1 for i in AUX]
     draft = tiny_draft(aux_layer_ids=ids, layer_convention=convention)
     save_native(draft, tmp_path / "n")
+    save_vllm(draft, tmp_path / "v")
     save_speculators(draft, tmp_path / "s")
     native = json.loads((tmp_path / "n" / "config.json").read_text())
+    vllm = json.loads((tmp_path / "v" / "config.json").read_text())
     spec = json.loads((tmp_path / "s" / "config.json").read_text())
-    # The same three tensors: output_of for SGLang (first id 1 = the default), input_to for speculators.
+    # The same three tensors: output_of for SGLang (first id 1 = the default), input_to for vLLM / speculators.
     assert native["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 5, 9]
+    assert vllm["eagle_aux_hidden_state_layer_ids"] == [2, 6, 10]
     assert spec["eagle_aux_hidden_state_layer_ids"] == [2, 6, 10]
     assert native["draftlab"]["layer_convention"] == convention
     assert native["draftlab"]["eagle3_config"]["aux_layer_ids"] == ids
@@ -181,16 +207,28 @@ def test_speculators_norm_before_residual_is_always_explicit(tmp_path, nbr):
 def test_speculators_rejects_a_draft_without_final_norm(tmp_path):
     with pytest.raises(ValueError, match="norm_output"):
         save_speculators(tiny_draft(norm_output=False), tmp_path)
+    with pytest.raises(ValueError, match="norm_output"):
+        save_vllm(tiny_draft(norm_output=False), tmp_path)
 
 
 def test_max_position_embeddings_from_verifier_or_argument(tmp_path, tiny_target):
     draft = tiny_draft()
+    want = tiny_target.model.config.max_position_embeddings
     save_native(draft, tmp_path / "v", verifier=tiny_target)
     save_native(draft, tmp_path / "x", max_position_embeddings=777)
     cfg_v = json.loads((tmp_path / "v" / "config.json").read_text())
-    assert cfg_v["max_position_embeddings"] == tiny_target.model.config.max_position_embeddings
+    assert cfg_v["max_position_embeddings"] == want
     assert cfg_v["draftlab"]["verifier"] == "tiny_random"
     assert json.loads((tmp_path / "x" / "config.json").read_text())["max_position_embeddings"] == 777
+    # Every writer takes it from the target: a Target, its HF config, or a directory with its config.json.
+    save_vllm(draft, tmp_path / "vl", target=tiny_target.model.config)  # the method registry's keyword
+    save_speculators(draft, tmp_path / "sp", verifier=tiny_target)
+    tiny_target.model.config.save_pretrained(tmp_path / "target")
+    save_speculators(draft, tmp_path / "sd", verifier=tmp_path / "target", max_position_embeddings=None)
+    assert json.loads((tmp_path / "vl" / "config.json").read_text())["max_position_embeddings"] == want
+    for name in ("sp", "sd"):
+        spec = json.loads((tmp_path / name / "config.json").read_text())
+        assert spec["transformer_layer_config"]["max_position_embeddings"] == want
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -202,6 +240,16 @@ def test_native_round_trip(tmp_path, variant):
     draft = tiny_draft(**VARIANTS[variant])
     save_native(draft, tmp_path, include_embedding=True)
     assert validate_native(tmp_path) == []
+    back = load_native(tmp_path)
+    assert back.config == draft.config  # exact, through the draftlab block
+    assert_same_draft(draft, back)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_vllm_round_trip(tmp_path, variant):
+    draft = tiny_draft(**VARIANTS[variant])
+    save_vllm(draft, tmp_path, include_embedding=True)
+    assert validate_vllm(tmp_path) == []
     back = load_native(tmp_path)
     assert back.config == draft.config  # exact, through the draftlab block
     assert_same_draft(draft, back)
@@ -322,6 +370,20 @@ def test_loads_a_plain_specforge_checkpoint(tmp_path, tiny_target):
 
     assert load_native(tmp_path, target=tiny_target).config.aux_layer_ids == default_aux_layer_ids(L, "output_of")
     assert load_native(tmp_path).config.aux_layer_ids == []
+
+
+def test_loads_a_plain_vllm_style_config(tmp_path):
+    """Without a draftlab block, top-level ids are vLLM's (input_to) and norm_output is vLLM's feedback switch."""
+    draft = tiny_draft()
+    save_vllm(draft, tmp_path, include_embedding=True)
+    edit_config(tmp_path, lambda cfg: cfg.pop("draftlab"))
+    back = load_native(tmp_path)
+    assert back.config.layer_convention == "input_to" and back.config.aux_layer_ids == [2, 6, 10]
+    assert output_of(back.config) == AUX and back.config.norm_output is True
+    assert_same_draft(draft, back)
+    edit_config(tmp_path, lambda cfg: cfg.update(norm_output=True))
+    with pytest.raises(ValueError, match="post-norm"):
+        load_native(tmp_path)
 
 
 def test_speculators_missing_norm_before_residual_reads_as_true(tmp_path):

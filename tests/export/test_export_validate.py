@@ -6,10 +6,20 @@ import pytest
 import torch
 from export_testlib import VD, edit_config, edit_tensors, tiny_draft
 
-from draftlab.export import check_valid, save_native, save_speculators, validate_native, validate_speculators
+from draftlab.export import (
+    check_valid,
+    save_native,
+    save_speculators,
+    save_vllm,
+    validate_native,
+    validate_sglang,
+    validate_speculators,
+    validate_vllm,
+)
 
 FORMATS = {
     "native": (save_native, validate_native, "midlayer."),
+    "vllm": (save_vllm, validate_vllm, "midlayer."),
     "speculators": (save_speculators, validate_speculators, "layers.0."),
 }
 
@@ -146,6 +156,8 @@ def test_aux_ids(export, ids):
             cfg.pop("draftlab")  # keep only the eagle_config problem
         else:
             cfg["eagle_aux_hidden_state_layer_ids"] = ids
+            cfg.pop("draftlab", None)
+            cfg.pop("eagle_config", None)
 
     assert_flagged(problems_after(export, config=edit), "eagle_aux_hidden_state_layer_ids")
 
@@ -197,6 +209,35 @@ def test_native_draftlab_block_must_agree(tmp_path):
     assert_flagged(validate_native(tmp_path), "eagle_config ids [2, 6, 10] are not the draftlab ids")
 
 
+def test_vllm_ids_must_be_output_of_plus_one(tmp_path):
+    """The vLLM variant's ids are checked as vLLM reads them: input_to = output_of + 1 of the draftlab ids."""
+    save_vllm(tiny_draft(), tmp_path)  # draftlab ids [1, 5, 9] output_of
+    # The old native spelling (output_of ids at the top level) would feed vLLM the layers one early.
+    edit_config(tmp_path, lambda cfg: cfg.update(eagle_aux_hidden_state_layer_ids=[1, 5, 9]))
+    assert_flagged(validate_vllm(tmp_path), "[1, 5, 9] are not the draftlab ids", "= [2, 6, 10]",
+                   "eagle_config.eagle_aux_hidden_state_layer_ids [2, 6, 10] differs from the top-level")
+
+
+def test_vllm_norm_output_must_be_false(tmp_path):
+    save_vllm(tiny_draft(), tmp_path)
+    edit_config(tmp_path, lambda cfg: cfg.update(norm_output=True))
+    assert_flagged(validate_vllm(tmp_path), "'norm_output' is True; vLLM reads true as 'feed the post-norm")
+
+
+def test_sglang_and_vllm_variants_are_not_interchangeable(tmp_path):
+    """What main's native export wrote (output_of ids in eagle_config only, norm_output true) is not a vLLM
+    directory, and the vLLM variant is not an SGLang one."""
+    save_native(tiny_draft(), tmp_path / "s")
+    save_vllm(tiny_draft(), tmp_path / "v")
+    assert validate_sglang(tmp_path / "s") == [] and validate_vllm(tmp_path / "v") == []
+    assert_flagged(validate_vllm(tmp_path / "s"), "eagle_aux_hidden_state_layer_ids (top level, read by vLLM): missing",
+                   "'norm_output' is True", "written for 'sglang', not 'vllm'")
+    assert_flagged(validate_sglang(tmp_path / "v"), "written for 'vllm', not 'sglang'",
+                   "eagle_config ids [2, 6, 10] are not the draftlab ids", "'norm_output' is False")
+    # validate_native follows the block.
+    assert validate_native(tmp_path / "v") == [] and validate_native(tmp_path / "s") == []
+
+
 def test_unreadable_directories(tmp_path):
     assert_flagged(validate_native(tmp_path / "nope"), "is not a directory")
     (tmp_path / "empty").mkdir()
@@ -228,6 +269,8 @@ def test_valid_variants(tmp_path):
                             dict(draft_vocab_size=VD // 2)]):
         draft = tiny_draft(**kw)
         save_native(draft, tmp_path / f"n{i}", dtype="float16")
+        save_vllm(draft, tmp_path / f"v{i}", dtype="float16")
         save_speculators(draft, tmp_path / f"s{i}", dtype="bfloat16")
         assert validate_native(tmp_path / f"n{i}") == [], kw
+        assert validate_vllm(tmp_path / f"v{i}") == [], kw
         assert validate_speculators(tmp_path / f"s{i}") == [], kw

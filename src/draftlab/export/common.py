@@ -108,6 +108,11 @@ def speculators_layer_prefix(i: int) -> str:
     return f"layers.{i}."
 
 
+def vllm_layer_prefix(i: int) -> str:
+    """vLLM's EAGLE-3 model maps only ``midlayer.`` (to ``layers.0.``); later layers must be ``layers.{i}.``."""
+    return "midlayer." if i == 0 else f"layers.{i}."
+
+
 def expected_shapes(dims: Dims, layer_prefix: Callable[[int], str]) -> dict[str, tuple[int, ...]]:
     """Every tensor key (embedding excluded) and its shape, with decoder layers named by ``layer_prefix``."""
     d, dt, ff = dims.hidden_size, dims.target_hidden_size, dims.intermediate_size
@@ -149,6 +154,11 @@ _LAYERS = re.compile(r"layers\.(\d+)\.(.*)")
 def native_to_speculators_key(key: str) -> str:
     if key.startswith("midlayer."):
         return "layers.0." + key.removeprefix("midlayer.")
+    m = _ADDITIONAL.fullmatch(key)
+    return f"layers.{int(m.group(1)) + 1}.{m.group(2)}" if m else key
+
+
+def native_to_vllm_key(key: str) -> str:
     m = _ADDITIONAL.fullmatch(key)
     return f"layers.{int(m.group(1)) + 1}.{m.group(2)}" if m else key
 
@@ -259,10 +269,13 @@ def default_ids_from_target(target, convention: LayerConvention) -> list[int]:
 
 
 def verifier_info(verifier) -> dict[str, Any]:
-    """``name``, ``max_position_embeddings`` and ``architectures`` of a Target, HF config, dict or name."""
+    """``name``, ``max_position_embeddings`` and ``architectures`` of a Target, an HF config, a dict, a
+    directory holding the target's ``config.json`` (read, no weights), or a bare name."""
     if verifier is None:
         return {}
     if isinstance(verifier, (str, Path)):
+        if (Path(verifier) / CONFIG_FILE).is_file():
+            return {**verifier_info(read_config(verifier)), "name": str(verifier)}
         return {"name": str(verifier)}
     cfg = verifier
     if hasattr(verifier, "model") and hasattr(verifier.model, "config"):
@@ -270,12 +283,17 @@ def verifier_info(verifier) -> dict[str, Any]:
     elif hasattr(verifier, "config") and not isinstance(verifier, dict):
         cfg = verifier.config
     get = cfg.get if isinstance(cfg, dict) else (lambda k, default=None: getattr(cfg, k, default))
+    # Multimodal targets keep the language model's context length in a text sub-config.
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    max_positions = get("max_position_embeddings") or getattr(text, "max_position_embeddings", None)
     name = getattr(verifier, "name", None) or get("_name_or_path") or get("name_or_path")
-    return {k: v for k, v in {"name": name, "max_position_embeddings": get("max_position_embeddings"),
+    return {k: v for k, v in {"name": name, "max_position_embeddings": max_positions,
                               "architectures": get("architectures")}.items() if v}
 
 
 def resolve_max_positions(explicit: int | None, verifier: dict[str, Any]) -> int:
+    """``explicit``, else the verifier's ``max_position_embeddings``; 2048 with a warning only when neither is
+    known (engines size the draft's RoPE from it and vLLM caps the draft's context length at it)."""
     if explicit is not None:
         return int(explicit)
     if verifier.get("max_position_embeddings"):

@@ -22,26 +22,41 @@ DRAFT_PREFIX = "draft."
 _COMPILED = "_orig_mod."
 
 
-def read_lightning_checkpoint(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
-    """``(config, draft tensors under native names)`` from a Lightning ``.ckpt``; clear errors naming the file."""
-    path = Path(path)
+def _load(path: Path, *, mmap: bool) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
         # Lightning checkpoints pickle hyper-parameters and loop state, so weights_only loading refuses
-        # them; only load checkpoints you trust.
-        ckpt: Any = torch.load(path, map_location="cpu", weights_only=False)
+        # them; only load checkpoints you trust. mmap maps the tensors without reading them.
+        ckpt: Any = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # truncated zips, bad pickles and short reads raise unrelated types
         raise ArtifactError(f"cannot read Lightning checkpoint (truncated or corrupt?): {type(e).__name__}: {e}",
                             file=path) from e
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise ArtifactError("not a Lightning checkpoint (no 'state_dict')", file=path)
+    return ckpt
+
+
+def _config(ckpt: dict, path: Path) -> Eagle3Config:
     if "eagle3_config" not in ckpt:
-        raise ValueError(f"{path} holds no 'eagle3_config'; it was not written by the EAGLE-3 training module")
+        raise ArtifactError("holds no 'eagle3_config': it was not written by the EAGLE-3 training module", file=path)
     try:
-        config = Eagle3Config.from_dict(dict(ckpt["eagle3_config"]))
+        return Eagle3Config.from_dict(dict(ckpt["eagle3_config"]))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: invalid eagle3_config: {e}") from e
+        raise ArtifactError(f"invalid: {e}", file=path, field="eagle3_config") from e
+
+
+def read_lightning_config(path: str | Path) -> Eagle3Config:
+    """The draft config of a Lightning ``.ckpt``, without reading its weights (they are memory-mapped)."""
+    path = Path(path)
+    return _config(_load(path, mmap=True), path)
+
+
+def read_lightning_checkpoint(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    """``(config, draft tensors under native names)`` from a Lightning ``.ckpt``; clear errors naming the file."""
+    path = Path(path)
+    ckpt = _load(path, mmap=False)
+    config = _config(ckpt, path)
     tensors = {}
     for key, t in ckpt["state_dict"].items():
         if not key.startswith(DRAFT_PREFIX):
@@ -66,4 +81,4 @@ def draft_from_lightning_checkpoint(path: str | Path, *, target=None, require_em
                           require_embedding=require_embedding, dtype=dtype)
 
 
-__all__ = ["draft_from_lightning_checkpoint", "read_lightning_checkpoint"]
+__all__ = ["draft_from_lightning_checkpoint", "read_lightning_checkpoint", "read_lightning_config"]

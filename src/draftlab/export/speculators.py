@@ -5,6 +5,12 @@ the Llama sizes sit in a nested ``transformer_layer_config``, aux ids are top-le
 ``eagle_aux_hidden_state_layer_ids`` in the ``input_to`` convention, and a ``speculators_config`` block names
 the proposal method and the verifier.
 
+vLLM reads it in ``update_eagle3`` (vllm/transformers_utils/configs/speculators/algos.py), which copies
+``draft_vocab_size``, ``target_hidden_size``, ``norm_before_residual`` (default **True**), the top-level
+``eagle_aux_hidden_state_layer_ids`` and, in recent releases, ``norm_before_fc``, ``fc_norm`` and
+``norm_output`` (default False) onto the config of ``Eagle3LlamaForCausalLM``; from there the keys are read
+as in the ``vllm`` native variant (see ``draftlab.export.native``): the ids are ``input_to``.
+
 ``norm_before_residual`` is always written: vLLM assumes True when a speculators config omits it, while
 native EAGLE-3 drafts use False.
 
@@ -37,6 +43,7 @@ from draftlab.export.common import (
     resolve_dtype,
     resolve_max_positions,
     speculators_to_native_key,
+    verifier_info,
     write_hf_dir,
 )
 from draftlab.methods.eagle3.config import Eagle3Config, rope_from_hf_config
@@ -96,22 +103,29 @@ def speculators_config(config: Eagle3Config, *, torch_dtype: str, max_position_e
 def save_speculators(draft: Eagle3Draft, out_dir: str | Path, *, verifier_name_or_path: str = "",
                      verifier_architectures: list[str] | None = None, speculative_tokens: int = 3,
                      dtype: str | torch.dtype | None = None, include_embedding: bool = False,
-                     max_position_embeddings: int | None = None) -> Path:
+                     max_position_embeddings: int | None = None, verifier=None, target=None) -> Path:
     """Write ``draft`` in the speculators format (``config.json`` + ``model.safetensors``); returns the dir.
 
-    verifier_name_or_path / verifier_architectures  the target vLLM loads next to the draft.
+    verifier_name_or_path / verifier_architectures  the target vLLM loads next to the draft (default: the
+                             ``verifier``'s name and architectures).
     speculative_tokens       chain length of the greedy proposal method.
     dtype                    cast floating weights (``None`` keeps the draft's dtype).
     include_embedding        also write ``embed_tokens.weight`` (vLLM reuses the target's otherwise).
-    max_position_embeddings  for ``transformer_layer_config`` (default 2048).
+    max_position_embeddings  for ``transformer_layer_config``; default the ``verifier``'s (2048, with a
+                             warning, when neither is known).
+    verifier                 the target (a Target, an HF config, a dict or a directory with its config.json).
+    target                   the method registry's name for ``verifier``.
     """
+    verifier = verifier if verifier is not None else target
     cast = resolve_dtype(dtype)
     tensors = export_tensors(draft, dtype=cast, include_embedding=include_embedding,
                              rename=native_to_speculators_key)
+    info = verifier_info(verifier)
     config = speculators_config(
         draft.config, torch_dtype=dtype_name(tensors["fc.weight"].dtype),
-        max_position_embeddings=resolve_max_positions(max_position_embeddings, {}),
-        verifier_name_or_path=verifier_name_or_path, verifier_architectures=verifier_architectures,
+        max_position_embeddings=resolve_max_positions(max_position_embeddings, info),
+        verifier_name_or_path=verifier_name_or_path or info.get("name") or "",
+        verifier_architectures=verifier_architectures or info.get("architectures"),
         speculative_tokens=speculative_tokens)
     return write_hf_dir(out_dir, config, tensors)
 

@@ -1,8 +1,14 @@
 """Validators for exported EAGLE-3 directories: every problem a serving engine would trip over, as text.
 
-``validate_native`` / ``validate_speculators`` return a list of problems (empty = valid) covering the config
-keys, the architecture, the tensor key set, every shape against the config, dtypes, the ``d2t``/``t2d``
-vocabulary mapping and the aux layer ids. ``check_valid`` raises one ``ValueError`` listing them all.
+``validate_sglang`` / ``validate_vllm`` (the two native variants, ``validate_native`` picks the one its
+draftlab block names) and ``validate_speculators`` return a list of problems (empty = valid) covering the
+config keys, the architecture, the tensor key set, every shape against the config, dtypes, the ``d2t``/``t2d``
+vocabulary mapping and the aux layer ids. For draftlab's own exports they also check the per-engine meaning
+of the engine-read keys against the draftlab block: that the ids the engine reads name the draft's taps in
+the engine's convention (SGLang: ``output_of``; vLLM: ``input_to`` = ``output_of`` + 1), and
+that ``norm_output`` says what the engine must do (SGLang / SpecForge: apply the final norm iff the draft
+does; vLLM: ``false``, the pre-norm state is fed back). ``check_valid`` raises one ``ValueError`` listing
+them all.
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ from draftlab.export.common import (
     native_layer_prefix,
     read_config,
     speculators_layer_prefix,
+    vllm_layer_prefix,
     weights_file,
 )
+from draftlab.export.native import native_engine
 from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.targets.base import LayerConvention, to_convention
 
-FORMATS = ("native", "speculators")
+FORMATS = ("sglang", "vllm", "speculators", "native")
+_NATIVE_ENGINES = ("sglang", "vllm")
+_AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 
 # safetensors dtype tags -> torch dtype names
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -215,7 +225,12 @@ def _check_vocab_mapping(small: dict, dims: Dims, problems: _Problems) -> None:
                      f"{dims.draft_vocab_size}, {int((~t2d[ids]).sum())} of them unmarked in t2d")
 
 
-def _draftlab_block_problems(cfg: dict, aux: list[int] | None, problems: _Problems) -> None:
+def _output_of(c: Eagle3Config) -> list[int]:
+    return [to_convention(i, c.layer_convention, LayerConvention.OUTPUT_OF) for i in c.aux_layer_ids]
+
+
+def _draftlab_block_problems(cfg: dict, engine: str, aux: list[int] | None, problems: _Problems) -> None:
+    """The draftlab block against the keys ``engine`` reads (``aux``: the id list that engine reads)."""
     block = cfg.get("draftlab")
     if block is None:
         return
@@ -224,23 +239,47 @@ def _draftlab_block_problems(cfg: dict, aux: list[int] | None, problems: _Proble
     except Exception as e:
         problems.add(f"config: draftlab block is unusable: {e}")
         return
+    written_for = block.get("engine", "sglang")  # version-1 blocks predate the vllm variant
+    if written_for != engine:
+        problems.add(f"config: the draftlab block says this directory was written for {written_for!r}, "
+                     f"not {engine!r}: {engine} would read its aux ids / norm_output differently")
     pairs = {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
              "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
              "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
              "target_hidden_size": c.target_hidden_size, "num_hidden_layers": c.num_layers, "fc_norm": c.fc_norm,
-             "norm_before_fc": c.norm_before_fc, "norm_before_residual": c.norm_before_residual,
-             "norm_output": c.norm_output}
+             "norm_before_fc": c.norm_before_fc, "norm_before_residual": c.norm_before_residual}
     for key, v in pairs.items():
         if key in cfg and cfg[key] != v:
             problems.add(f"config: '{key}' is {cfg[key]!r} but the draftlab block says {v!r}")
     if block.get("layer_convention") not in (None, c.layer_convention):
         problems.add(f"config: draftlab layer_convention {block.get('layer_convention')!r} disagrees with its "
                      f"eagle3_config ({c.layer_convention!r})")
-    if aux is not None and c.aux_layer_ids:
-        mine = [to_convention(i, c.layer_convention, LayerConvention.OUTPUT_OF) for i in c.aux_layer_ids]
-        if mine != aux:
+    norm_output = cfg.get("norm_output")
+    if engine == "sglang":
+        # SpecForge's reading: norm_output = the final norm before lm_head, as the draft was trained.
+        if "norm_output" in cfg and norm_output != c.norm_output:
+            problems.add(f"config: 'norm_output' is {norm_output!r} but the draftlab block says {c.norm_output!r} "
+                         "(SpecForge reads it as the final norm before lm_head)")
+        if aux is not None and c.aux_layer_ids and _output_of(c) != aux:
             problems.add(f"config: eagle_config ids {aux} are not the draftlab ids {c.aux_layer_ids} "
-                         f"({c.layer_convention}) in output_of ({mine})")
+                         f"({c.layer_convention}) in output_of ({_output_of(c)}), which SGLang reads")
+        top = cfg.get(_AUX_KEY)
+        if top is not None and top != [i + 1 for i in _output_of(c)]:
+            problems.add(f"config: top-level {_AUX_KEY} {top} would make vLLM capture other layers than the "
+                         f"draftlab ids (input_to {[i + 1 for i in _output_of(c)]})")
+        return
+    # vLLM: norm_output = feed the post-norm state back; draftlab drafts feed the pre-norm state.
+    if norm_output is not False:
+        problems.add(f"config: 'norm_output' is {norm_output!r}; vLLM reads true as 'feed the post-norm hidden state "
+                     "to the next draft step', but draftlab drafts feed the pre-norm state back: it must be false")
+    if not c.norm_output:
+        problems.add("config: the draftlab block's draft has no final norm before lm_head (norm_output=False), "
+                     "which vLLM always applies")
+    if aux is not None and c.aux_layer_ids:
+        want = [i + 1 for i in _output_of(c)]
+        if aux != want:
+            problems.add(f"config: {_AUX_KEY} {aux} are not the draftlab ids {c.aux_layer_ids} ({c.layer_convention}) "
+                         f"as vLLM reads them: input_to = output_of + 1 = {want}")
 
 
 def _open_config(path: Path, problems: _Problems) -> dict | None:
@@ -273,12 +312,17 @@ def _draft_dims(cfg: dict, layer_cfg: dict, where: str, flags: dict, problems: _
     return Dims(**{**base.__dict__, "draft_vocab_size": dvs, "target_hidden_size": dt, "num_layers": layers})
 
 
-def validate_native(path: str | Path) -> list[str]:
-    """Problems that keep ``path`` from being a valid native EAGLE-3 draft directory (empty = valid)."""
+def validate_native(path: str | Path, engine: str | None = None) -> list[str]:
+    """Problems that keep ``path`` from being a valid native EAGLE-3 directory for ``engine`` (``sglang`` or
+    ``vllm``; default: the variant it was written for, see ``native.native_engine``). Empty = valid."""
     path, problems = Path(path), _Problems()
     cfg = _open_config(path, problems)
     if cfg is None:
         return list(problems)
+    if engine is None:
+        engine = native_engine(cfg)
+    if engine not in _NATIVE_ENGINES:
+        raise ValueError(f"unknown native variant {engine!r}; use one of {_NATIVE_ENGINES}")
     _check_architecture(cfg, NATIVE_ARCHITECTURE, problems)
     if cfg.get("model_type") != "llama":
         problems.add(f"config: model_type is {cfg.get('model_type')!r}, expected 'llama'")
@@ -293,13 +337,32 @@ def validate_native(path: str | Path) -> list[str]:
     if eagle is not None and not isinstance(eagle, dict):
         problems.add(f"config: eagle_config must be an object, got {eagle!r}")
         eagle = None
-    aux = _check_aux_ids((eagle or {}).get("eagle_aux_hidden_state_layer_ids"),
-                         "config: eagle_config.eagle_aux_hidden_state_layer_ids", problems)
-    _draftlab_block_problems(cfg, aux, problems)
+    nested = (eagle or {}).get(_AUX_KEY)
+    if engine == "sglang":
+        # SGLang's ModelRunner reads only eagle_config's list (output_of).
+        aux = _check_aux_ids(nested, f"config: eagle_config.{_AUX_KEY}", problems)
+    else:
+        # vLLM reads the top-level list first (input_to); builds that fall back to eagle_config read it the same.
+        aux = _check_aux_ids(cfg.get(_AUX_KEY), f"config: {_AUX_KEY} (top level, read by vLLM)", problems)
+        if nested is not None and aux is not None and nested != aux:
+            problems.add(f"config: eagle_config.{_AUX_KEY} {nested} differs from the top-level {aux}: vLLM builds "
+                         "that fall back to eagle_config would read other layers")
+    _draftlab_block_problems(cfg, engine, aux, problems)
     meta, small = _tensor_meta(path, problems)
     if meta:
-        _check_tensors(meta, small, dims, native_layer_prefix, cfg.get("torch_dtype"), problems)
+        prefix = native_layer_prefix if engine == "sglang" else vllm_layer_prefix
+        _check_tensors(meta, small, dims, prefix, cfg.get("torch_dtype"), problems)
     return list(problems)
+
+
+def validate_sglang(path: str | Path) -> list[str]:
+    """Problems of ``path`` as the native directory SGLang / SpecForge read (empty = valid)."""
+    return validate_native(path, "sglang")
+
+
+def validate_vllm(path: str | Path) -> list[str]:
+    """Problems of ``path`` as the native directory vLLM's ``method: eagle3`` reads (empty = valid)."""
+    return validate_native(path, "vllm")
 
 
 def validate_speculators(path: str | Path) -> list[str]:
@@ -368,9 +431,12 @@ def _speculators_block_problems(sc: Any, problems: _Problems) -> None:
 
 
 def validate(path: str | Path, format: str) -> list[str]:
-    """``validate_native`` or ``validate_speculators`` by ``format`` name."""
+    """The validator of ``format``: ``sglang``, ``vllm``, ``speculators``, or ``native`` (the native variant the
+    directory's draftlab block names)."""
     if format == "native":
         return validate_native(path)
+    if format in _NATIVE_ENGINES:
+        return validate_native(path, format)
     if format == "speculators":
         return validate_speculators(path)
     raise ValueError(f"unknown export format {format!r}; use one of {FORMATS}")
@@ -384,4 +450,5 @@ def check_valid(path: str | Path, format: str) -> None:
         raise ValueError(f"{path} is not a valid {format} EAGLE-3 export ({len(problems)} problems):\n{lines}")
 
 
-__all__ = ["FORMATS", "check_valid", "validate", "validate_native", "validate_speculators"]
+__all__ = ["FORMATS", "check_valid", "validate", "validate_native", "validate_sglang", "validate_speculators",
+           "validate_vllm"]
