@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from draftlab.utils.atomic import atomic_write_text
 from draftlab.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -161,9 +162,4 @@ def build_record(cfg: DictConfig, *, kind: str, identity: dict[str, Any], metric
 
 
 def write_record(run_dir: str | Path, record: dict[str, Any]) -> Path:
-    path = Path(run_dir) / "record.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2, default=str))
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(Path(run_dir) / "record.json", json.dumps(record, indent=2, default=str))

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from draftlab.data.template import RenderedSample
+from draftlab.utils.atomic import atomic_write_text
 from draftlab.utils.hashing import content_key
 from draftlab.utils.logging import get_logger
 
@@ -102,7 +103,8 @@ def precompute_features(target, samples: Sequence[RenderedSample], root: str | P
             os.replace(tmp, path)
             bar.update(t)
     bar.close()
-    (root / _COMPLETE).write_text(json.dumps({"num_samples": len(samples), "dtype": dtype}))
+    # Written last, and atomically: its presence is what marks the store complete.
+    atomic_write_text(root / _COMPLETE, json.dumps({"num_samples": len(samples), "dtype": dtype}))
     return root
 
 

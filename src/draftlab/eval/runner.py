@@ -8,6 +8,7 @@ files exactly as Spec-Bench's ``speed.py`` does (``draftlab.eval.metrics``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,11 @@ def run_benchmark(target, questions: list[Question], drafter, gen: GenerationCon
     out = Path(out_dir) / "answers"
     out.mkdir(parents=True, exist_ok=True)
     base_path, method_path = out / "baseline.jsonl", out / f"{method}.jsonl"
-    for p in (base_path, method_path):
+    # Answers go to ``<file>.partial`` and take their final name only once every question is answered
+    # and the file reads back valid: a killed run leaves no answer file that looks finished. A re-run
+    # starts over rather than resuming, so that every speed-up pairs two runs of one process.
+    partial = {final: final.with_name(final.name + ".partial") for final in (base_path, method_path)}
+    for p in (*partial, *partial.values()):
         p.unlink(missing_ok=True)
     questions = [_limit_turns(q, max_turns) for q in questions]
     if warmup and questions:
@@ -72,9 +77,12 @@ def run_benchmark(target, questions: list[Question], drafter, gen: GenerationCon
             speculative_generate(target, prompt, drafter, warm)
     for q in tqdm(questions, desc=f"{bench} / {method}", unit="question"):
         base = answer_question(target, q, drafter=None, cfg=gen)
-        write_answer(base_path, answer_record(q, base, "baseline"))
+        write_answer(partial[base_path], answer_record(q, base, "baseline"))
         spec = answer_question(target, q, drafter=drafter, cfg=gen)
-        write_answer(method_path, answer_record(q, spec, method))
+        write_answer(partial[method_path], answer_record(q, spec, method))
+    for final, tmp in partial.items():
+        load_answers(tmp)
+        os.replace(tmp, final)
     base_answers, method_answers = load_answers(base_path), load_answers(method_path)
     metrics = speed_metrics(method_answers, base_answers, column_of=_column_or_none)
     mismatched = mismatched_questions(method_answers, base_answers) if gen.temperature == 0 else []

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from draftlab.data.regenerate import RegenConfig, RegenReport, load_regenerated, regenerate
 from draftlab.data.template import RenderedSample, RenderReport, render_conversations, require_chat_template
 from draftlab.data.vocab import VocabMapping, load_or_build_vocab_mapping, vocab_mapping_cache_key
+from draftlab.utils.atomic import atomic_write_text
 from draftlab.utils.hashing import content_key
 from draftlab.utils.logging import get_logger
 
@@ -101,7 +102,4 @@ def run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
 
 
 def write_summary(result: DataStageResult, out_dir: str | Path) -> Path:
-    path = Path(out_dir) / "data_summary.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result.summary(), indent=2, default=str))
-    return path
+    return atomic_write_text(Path(out_dir) / "data_summary.json", json.dumps(result.summary(), indent=2, default=str))

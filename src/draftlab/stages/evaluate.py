@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from draftlab import tracking
 from draftlab.decoding.engine import GenerationConfig
 from draftlab.methods.registry import MethodSpec
+from draftlab.utils.atomic import atomic_write_text
 
 
 def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
@@ -42,7 +43,7 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
                         warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"))
     table = format_table(res)
     print(table)
-    (run_dir / "eval_table.txt").write_text(table + "\n")
+    atomic_write_text(run_dir / "eval_table.txt", table + "\n")
     metrics = res.flat_metrics()
     record = {"bench": bench.name, "method": spec.name, "label": spec.label, "temperature": gen.temperature,
               "axes": spec.axes(), "method_config": {k: v for k, v in spec.resolved().items() if k != "axes"},

@@ -21,10 +21,12 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Checkpoint
 from omegaconf import DictConfig, OmegaConf
 
 from draftlab.methods.registry import MethodSpec
 from draftlab.stages.data import target_identity
+from draftlab.utils.atomic import atomic_dir, atomic_write_text
 from draftlab.utils.hashing import content_key
 from draftlab.utils.logging import get_logger
 
@@ -75,18 +77,47 @@ class HistoryCallback(L.Callback):
         self.rows = list(state.get("rows", []))
 
 
-class ResumeCheckpoint(L.Callback):
-    """Writes ``path`` every ``every`` optimiser steps and at each epoch end: the point a re-run resumes from."""
+class ResumeCheckpoint(Checkpoint):
+    """Writes ``path`` every ``every`` optimiser steps and at each epoch end: the point a re-run resumes from.
+
+    A re-run from it must replay exactly what the killed run would have done, so it is written only where
+    the whole training state is settled. It is a ``Checkpoint`` so that Lightning runs it after the
+    ``ModelCheckpoint`` in every hook: written before, it would miss the best checkpoint of the validation
+    just run, and the resumed run would pick another one. A step that validation follows is written after
+    that validation instead (a checkpoint from before it resumes past it, and the validation never runs):
+    at the epoch end for the last batch, since that is where ``ModelCheckpoint`` records the validation,
+    and at the validation's end for a ``val_check_interval`` batch.
+    """
 
     def __init__(self, path: Path, every: int):
         self.path, self.every = str(path), every
+        self._after_validation = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.every > 0 and trainer.global_step % self.every == 0:
+            if _validation_follows(trainer, batch_idx):
+                self._after_validation = True
+            else:
+                trainer.save_checkpoint(self.path)
+
+    def on_validation_end(self, trainer, pl_module):
+        # After the last batch, the ModelCheckpoint only acts at the epoch end: so do we.
+        last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if self._after_validation and not trainer.sanity_checking and not last:
+            self._after_validation = False
             trainer.save_checkpoint(self.path)
 
     def on_train_epoch_end(self, trainer, pl_module):
+        self._after_validation = False
         trainer.save_checkpoint(self.path)
+
+
+def _validation_follows(trainer, batch_idx: int) -> bool:
+    if not trainer.enable_validation:
+        return False
+    every = trainer.val_check_batch
+    last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    return last or (isinstance(every, int) and (batch_idx + 1) % every == 0)
 
 
 def train_key(cfg: DictConfig, data_key: str) -> str:
@@ -128,7 +159,8 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
         return TrainResult(key, root, draft_dir, reused=True, history=summary.get("history", []),
                            best=summary.get("best", {}), train_seconds=0.0)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "train_config.json").write_text(json.dumps(OmegaConf.to_container(cfg, resolve=True), indent=2, default=str))
+    atomic_write_text(root / "train_config.json", json.dumps(OmegaConf.to_container(cfg, resolve=True), indent=2,
+                                                             default=str))
     t0 = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     draft = spec.build_draft(target, data.vocab)
@@ -161,10 +193,13 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
     val_rows = [r for r in history.rows if "val/simulated_tau" in r]
     if val_rows:
         best.update(max(val_rows, key=lambda r: r["val/simulated_tau"]))
-    spec.save(module.draft, draft_dir.with_suffix(".tmp"), target)
     seconds = time.perf_counter() - t0
-    (root / "train_summary.json").write_text(json.dumps({"key": key, "history": history.rows, "best": best,
-                                                         "train_seconds": seconds}, indent=2))
-    draft_dir.with_suffix(".tmp").rename(draft_dir)  # the marker of a finished key
+    # The summary first, then the draft directory in one rename: a draft directory is the marker of a
+    # finished key, and a key is only reused with its summary beside it. A kill in between re-runs the
+    # (already finished) fit from the resume checkpoint and lands here again.
+    atomic_write_text(root / "train_summary.json", json.dumps({"key": key, "history": history.rows, "best": best,
+                                                               "train_seconds": seconds}, indent=2))
+    with atomic_dir(draft_dir) as tmp:
+        spec.save(module.draft, tmp, target)
     log.info("trained draft saved to %s (%.0f s)", draft_dir, seconds)
     return TrainResult(key, root, draft_dir, reused=False, history=history.rows, best=best, train_seconds=seconds)
