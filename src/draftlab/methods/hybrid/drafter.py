@@ -1,0 +1,83 @@
+"""Hybrid drafting: one verify pass over the union of a learned draft's tree and a lookup drafter's tree.
+
+A learned draft is good at what it was trained on; n-gram / suffix lookup is good at text that repeats
+(code edits, summaries that quote their source, the answer's own phrasing). Merging both proposals into
+one tree costs only the extra rows in the verify pass, and the verifier takes whichever branch the target
+agrees with. Paths the two share become one branch (a trie over the token paths), so nothing is verified
+twice.
+
+The merged tree is deterministic (EAGLE-style top-k trees and lookup continuations both are), which is
+what keeps sampling exact: the deterministic-candidate rule is exact for any candidate set chosen without
+the verifier's coins. Components see the merged tree's ``VerifyOutput`` in ``update``; the ones here read
+only what every tree shares (``kept``, ``accepted_aux``, ``state.tokens``). Components that add extra
+verify rows (``extra_rows``) are not supported.
+"""
+
+from __future__ import annotations
+
+import torch
+from hydra.utils import get_class
+
+from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
+from draftlab.decoding.tree import DraftTree
+
+
+def union_tree(trees: list[DraftTree]) -> tuple[DraftTree, list[list[int]]]:
+    """The trie union of deterministic ``trees`` with one root; returns it and, per input tree, the merged
+    index of each of its nodes."""
+    root = int(trees[0].tokens[0])
+    if any(int(t.tokens[0]) != root for t in trees):
+        raise ValueError(f"trees to merge must share their root; got {[int(t.tokens[0]) for t in trees]}")
+    if not all(t.deterministic for t in trees):
+        raise ValueError("only deterministic trees can be merged: a sampled tree's min(1, p/q) rule needs the "
+                         "distribution each node was drawn from, which a merged sibling set no longer has")
+    tokens, parents = [root], [-1]
+    index: dict[tuple[int, ...], int] = {(): 0}
+    maps = []
+    for tree in trees:
+        toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+        paths: list[tuple[int, ...]] = [()] * len(toks)
+        where = [0] * len(toks)
+        for i in range(1, len(toks)):  # parents come before their children in a DraftTree
+            paths[i] = paths[pars[i]] + (toks[i],)
+            if paths[i] not in index:
+                index[paths[i]] = len(tokens)
+                tokens.append(toks[i])
+                parents.append(where[pars[i]])
+            where[i] = index[paths[i]]
+        maps.append(where)
+    return DraftTree.from_parents(torch.tensor(tokens), torch.tensor(parents)), maps
+
+
+class HybridDrafter(Drafter):
+    """Proposes the union of ``learned``'s and ``lookup``'s trees (see the module docstring)."""
+
+    def __init__(self, learned: Drafter, lookup: Drafter):
+        self.learned, self.lookup = learned, lookup
+
+    def aux_layers(self, target):
+        return self.learned.aux_layers(target)
+
+    def verify_rows(self, cfg) -> int | None:
+        rows = [d.verify_rows(cfg) for d in (self.learned, self.lookup)]
+        if None in rows:
+            return None
+        return rows[0] + rows[1] - 1  # one shared root
+
+    def reset(self, state: DecodeState) -> None:
+        self.learned.reset(state)
+        self.lookup.reset(state)
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        merged, _ = union_tree([self.learned.propose(state), self.lookup.propose(state)])
+        return merged
+
+    def update(self, state: DecodeState, out: VerifyOutput) -> None:
+        self.learned.update(state, out)
+        self.lookup.update(state, out)
+
+
+def learned_plus_lookup(draft, *, learned_target: str, lookup: Drafter, **learned_kwargs) -> HybridDrafter:
+    """The drafter factory of a hybrid method config: ``learned_target(draft, **learned_kwargs)`` (the
+    learned method's own drafter settings, inherited from its config) merged with ``lookup``."""
+    return HybridDrafter(get_class(learned_target)(draft, **learned_kwargs), lookup)

@@ -1,0 +1,64 @@
+"""Hybrid drafting: the trie union of two trees, and the learned + lookup drafter on the tiny target (the
+conformance suite runs the shipped `eagle3_suffix` config through every check as well)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
+from draftlab.decoding.reference_drafters import PromptLookupDrafter
+from draftlab.decoding.tree import DraftTree
+from draftlab.methods.eagle3 import Eagle3Draft
+from draftlab.methods.eagle3.drafter import Eagle3Drafter
+from draftlab.methods.hybrid import HybridDrafter, union_tree
+from draftlab.methods.registry import MethodSpec
+from draftlab.methods.suffix import SuffixDrafter
+
+
+def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    out = [()] * len(toks)
+    for i in range(1, len(toks)):
+        out[i] = out[pars[i]] + (toks[i],)
+    return set(out[1:])
+
+
+def test_union_merges_shared_paths_and_maps_every_node():
+    a = DraftTree.from_parents(torch.tensor([5, 1, 2, 3]), torch.tensor([-1, 0, 1, 0]))  # 5 -> 1 -> 2, 5 -> 3
+    b = DraftTree.chain(5, [1, 2, 4])  # shares "1 2" with a
+    merged, (ma, mb) = union_tree([a, b])
+    assert _paths(merged) == _paths(a) | _paths(b)
+    assert merged.size == 1 + 4  # 1, 2, 3, 4: the shared prefix once
+    assert ma[:3] == mb[:3] == [0, 1, 2]
+    for tree, m in ((a, ma), (b, mb)):
+        assert merged.tokens[m].tolist() == tree.tokens.tolist()
+    assert merged.deterministic
+
+
+def test_union_refuses_sampled_trees_and_different_roots():
+    q = torch.full((2, 8), 1 / 8)
+    with pytest.raises(ValueError, match="deterministic"):
+        union_tree([DraftTree.chain(5, [1]), DraftTree.chain(5, [1], draft_probs=q[1:])])
+    with pytest.raises(ValueError, match="root"):
+        union_tree([DraftTree.chain(5, [1]), DraftTree.chain(6, [1])])
+
+
+@pytest.mark.parametrize("lookup", [SuffixDrafter, PromptLookupDrafter])
+def test_hybrid_is_lossless_and_proposes_both_trees(tiny_target, lookup):
+    torch.manual_seed(0)
+    learned = Eagle3Drafter(Eagle3Draft.from_target(tiny_target, draft_vocab_size=256), top_k=2, depth=3,
+                            total_tokens=4)
+    drafter = HybridDrafter(learned, lookup())
+    prompt = tiny_target.tokenizer.encode("one two three four one two three four one two")
+    cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, stop_on_eos=False)
+    out, stats = speculative_generate(tiny_target, prompt, drafter, cfg, trace=True)
+    assert out == autoregressive_generate(tiny_target, prompt, cfg)[0]
+    assert max(r.tokens.numel() for r in stats.trace) > 1 + 4  # lookup nodes beyond the learned tree's four
+    assert drafter.verify_rows(cfg) == learned.verify_rows(cfg) + drafter.lookup.verify_rows(cfg) - 1
+
+
+def test_the_shipped_hybrid_reuses_the_eagle3_training_key():
+    hybrid, eagle3 = MethodSpec.from_name("eagle3_suffix"), MethodSpec.from_name("eagle3")
+    assert hybrid.key_config() == eagle3.key_config()
+    assert hybrid.label != eagle3.label and "lookup_tokens" in hybrid.axes()
