@@ -8,7 +8,13 @@
     Spec-Bench summarization and extraction prompts: tau (tokens per target pass) and tokens/s of both;
 (d) ConFu's verify pass with its soft prompts as rows of every pass vs pinned keys computed once
     (``ConFuDrafter(cache_soft_prompts=...)``): pass cost for trees of k nodes (+ k contemplate rows), and
-    end-to-end decoding with both drafter modes (identical outputs required) -> confu_verify_cost.json.
+    end-to-end decoding with both drafter modes (identical outputs required) -> confu_verify_cost.json;
+(e) the EAGLE-3 draft step at the quickstart's tree settings (top_k 3, depth 3, 6 nodes): one draft pass as
+    a fraction of an AR step and the round cost (draft passes + verify) in AR steps, for the reference path
+    (log-probs over the whole target vocabulary, ``Eagle3Drafter(full_vocab=True)``) and the draft-vocabulary
+    path in fp32, with a bf16 LM head and all bf16, side by side; then end-to-end decoding with each
+    (identical outputs required)
+    -> eagle3_draft_cost.json.
 Each row interleaves the systems prompt by prompt, so machine noise hits both alike.
 """
 
@@ -237,6 +243,166 @@ def part_d(target, prompts, n, ks=(9, 31, 61), soft=16, reps=7):
             "prompts": len(prompts)}
 
 
+def _trained_eagle3_draft(target):
+    """The newest trained EAGLE-3 draft under the artifact cache (the quickstart's), or None."""
+    import os
+
+    from draftlab.methods.eagle3.build import load_artifact
+
+    root = Path(os.environ.get("DRAFTLAB_CACHE", Path.home() / ".cache/draftlab")) / "artifacts/eagle3"
+    dirs = sorted((d for d in root.glob("*/draft") if (d / "config.json").exists()), key=lambda d: d.stat().st_mtime)
+    return (load_artifact(dirs[-1], target=target), str(dirs[-1])) if dirs else None
+
+
+def baseline_eagle3_drafter(src: str):
+    """``Eagle3Drafter`` as an older checkout wrote it: its ``decoding/tree.py``, ``eagle3/draft_cache.py`` and
+    ``eagle3/drafter.py`` (from ``src``, e.g. ``git archive <commit> src | tar -x -C /tmp/old`` ->
+    ``/tmp/old/src``) loaded beside the current package, on the current model and target."""
+    import sys
+    import types
+
+    def load(name, rel, subs=()):
+        text = (Path(src) / "draftlab" / rel).read_text()
+        for a, b in subs:
+            text = text.replace(a, b)
+        mod = types.ModuleType(name)
+        mod.__file__ = str(Path(src) / "draftlab" / rel)
+        sys.modules[name] = mod
+        exec(compile(text, mod.__file__, "exec"), mod.__dict__)
+        return mod
+
+    load("_baseline_tree", "decoding/tree.py")
+    load("_baseline_draft_cache", "methods/eagle3/draft_cache.py")
+    return load("_baseline_drafter", "methods/eagle3/drafter.py",
+                [("from draftlab.decoding.tree import", "from _baseline_tree import"),
+                 ("from draftlab.methods.eagle3.draft_cache import", "from _baseline_draft_cache import")]).Eagle3Drafter
+
+
+def part_e(target, prompts, n, vocab_sizes=(32000,), tree=(3, 3, 6), accepted=2, reps=21, variants=None,
+           decode=True, baseline_src=None):
+    """(e) EAGLE-3 draft pass / AR step and round cost, reference (full vocabulary) vs draft vocabulary.
+
+    Per round the drafter runs ``depth - 1`` tree passes (``grow``; the root's children come from the last
+    committed row) and one pass over the ``accepted`` kept rows (``accept``): ``depth`` draft passes. Both
+    are timed on the prompt's draft cache (``grow`` drops its rows again; the appended rows are undone).
+    """
+    from draftlab.decoding.drafter import DecodeState
+    from draftlab.decoding.verify import verify
+    from draftlab.methods.eagle3 import Eagle3Draft, Eagle3Drafter
+
+    top_k, depth, total = tree
+    drafts = []
+    found = _trained_eagle3_draft(target)
+    if found is not None:
+        drafts.append((f"trained V_d={found[0].config.draft_vocab_size}", found[0], found[1]))
+    for v in vocab_sizes:
+        torch.manual_seed(0)
+        drafts.append((f"random V_d={v}", Eagle3Draft.from_target(target, draft_vocab_size=v), None))
+    variants = variants or [("reference fp32", {"full_vocab": True}), ("draft-vocab fp32", {}),
+                            ("draft-vocab bf16 head", {"head_dtype": "bfloat16"}),
+                            ("draft-vocab bf16", {"dtype": "bfloat16"})]
+    make = {name: (lambda d, kw=kw: Eagle3Drafter(d, top_k=top_k, depth=depth, total_tokens=total, **kw))
+            for name, kw in variants}
+    if baseline_src:  # the old code itself, first in every comparison
+        old = baseline_eagle3_drafter(baseline_src)
+        make = {"baseline code fp32": lambda d: old(d, top_k=top_k, depth=depth, total_tokens=total), **make}
+    prompt = prompts[0]
+    taps = drafts[0][1].tapped_layers(target)
+    cache = target.new_cache(1, len(prompt) + 64)
+    pre = target.forward(torch.tensor([prompt]), cache=cache, return_aux=True, aux_layer_ids=taps)
+    cache.commit(len(prompt))
+    past = cache.length
+    aux = pre.aux_hidden[0]  # [P, 3*d]
+    root = int(pre.logits[0, -1].argmax())
+    ar_step = lambda: target.forward(torch.tensor([[prompt[-1]]]), cache=cache)  # noqa: E731
+    ar = timed(reps, ar_step)
+    report = {"prompt_tokens": len(prompt), "tree": {"top_k": top_k, "depth": depth, "total_tokens": total},
+              "accepted_rows": accepted, "drafts": []}
+    print(f"(e) EAGLE-3 draft step, tree top_k={top_k} depth={depth} nodes={total} ({depth} draft passes per "
+          f"round: {depth - 1} tree levels + 1 accept of {accepted} rows), prompt {len(prompt)} tokens")
+    verify_s = None
+    for label, draft, path in drafts:
+        drafters = []
+        for name, new_drafter in make.items():
+            drafter = new_drafter(draft)
+            state = DecodeState(target=target, cache=None, tokens=list(prompt) + [root], prompt_len=len(prompt),
+                                temperature=0.0, accepted_aux=aux)
+            with torch.no_grad():
+                drafter.reset(state)
+            drafters.append((name, drafter, state))
+        best: dict[str, tuple[float, float]] = {}
+        for _ in range(3):  # variants interleaved, three times; the fastest of the medians counts
+            for name, drafter, state in drafters:
+                rows = drafter.rows
+                saved = dict(vars(rows))
+
+                def accept(rows=rows, saved=saved):
+                    rows.append(list(prompt[:accepted]), aux[:accepted])
+                    rows.cache.truncate(saved["committed"])
+                    vars(rows).update(saved)
+
+                with torch.no_grad():
+                    t = (timed(reps, lambda d=drafter, s=state: d.grow(s)), timed(reps, accept))
+                best[name] = tuple(min(x, y) for x, y in zip(best.get(name, t), t))
+        if verify_s is None:  # a tree of the same size costs the same whichever variant grew it
+            with torch.no_grad():
+                grown = drafters[0][1].grow(drafters[0][2])
+            mask = torch.cat([torch.ones(grown.size, past, dtype=torch.bool), ancestor_mask(grown.parents)], 1)
+
+            def verify_pass(tree=grown, mask=mask):
+                out = target.forward(tree.tokens[None], past + tree.depth, cache, mask, return_aux=True,
+                                     aux_layer_ids=taps)
+                verify(out.logits[0], tree, temperature=0.0)
+
+            verify_s, nodes = timed(reps, verify_pass), grown.size
+            ar = min(ar, timed(reps, ar_step))
+            report.update(ar_step_seconds=ar, verify_seconds=verify_s, verify_nodes=nodes)
+            print(f"(e)   AR step {ar * 1e3:.1f} ms, verify pass of {nodes} nodes {verify_s * 1e3:.1f} ms "
+                  f"({verify_s / ar:.2f} AR steps)")
+        entry = {"draft": label, "path": path, "variants": []}
+        for name, _, _ in drafters:
+            t_grow, t_accept = best[name]
+            draft_round = t_grow + t_accept
+            row = {"variant": name, "grow_seconds": t_grow, "accept_seconds": t_accept,
+                   "draft_pass_seconds": draft_round / depth, "draft_pass_vs_ar": draft_round / depth / ar,
+                   "draft_round_vs_ar": draft_round / ar, "round_cost_ar_steps": (draft_round + verify_s) / ar}
+            entry["variants"].append(row)
+            print(f"(e)   {label:18s} {name:22s} draft pass {row['draft_pass_vs_ar']:.3f} AR steps "
+                  f"({draft_round / depth * 1e3:4.1f} ms; grow {t_grow * 1e3:4.1f} + accept {t_accept * 1e3:4.1f} ms "
+                  f"per round) | round {row['round_cost_ar_steps']:.2f} AR steps "
+                  f"(draft {row['draft_round_vs_ar']:.2f} + verify {verify_s / ar:.2f})")
+        report["drafts"].append(entry)
+    if not decode:
+        return report
+    # End to end: the same prompts decoded with each variant (greedy: outputs must be AR's).
+    cfg = GenerationConfig(max_new_tokens=n, stop_on_eos=False)
+    label, draft, _ = drafts[0]
+    refs = {tuple(p): autoregressive_generate(target, p, cfg)[0] for p in prompts}
+    e2e = {}
+    for name in list(make) * 2:  # interleaved, twice
+        drafter = make[name](draft)
+        e = e2e.setdefault(name, {"draft_s": 0.0, "verify_s": 0.0, "rounds": 0, "wall_s": 0.0, "tokens": 0,
+                                  "identical": 0, "runs": 0})
+        for p in prompts:
+            out, st = speculative_generate(target, p, drafter, cfg)
+            e["draft_s"] += sum(st.draft_times)
+            e["verify_s"] += sum(st.verify_times)
+            e["rounds"] += st.rounds
+            e["wall_s"] += st.wall_time
+            e["tokens"] += st.new_tokens
+            e["identical"] += out == refs[tuple(p)]
+            e["runs"] += 1
+    for name, e in e2e.items():
+        r = max(1, e["rounds"])
+        e.update(draft_ms_per_round=1e3 * e["draft_s"] / r, verify_ms_per_round=1e3 * e["verify_s"] / r,
+                 tau=e["tokens"] / r, tok_s=e["tokens"] / e["wall_s"])
+        print(f"(e)   decoding with {label}, {name:22s}: draft {e['draft_ms_per_round']:5.1f} ms/round "
+              f"({e['draft_ms_per_round'] / 1e3 / ar:.2f} AR steps), verify {e['verify_ms_per_round']:5.1f} ms/round, "
+              f"tau {e['tau']:.2f}, {e['tok_s']:.2f} tok/s, identical to AR {e['identical']}/{e['runs']}")
+    report["decoding"] = {"draft": label, "prompts": len(prompts), "new_tokens": n, "variants": e2e}
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=6)
@@ -245,6 +411,11 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--parts", default="abc")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], help="dtypes for part (a)")
+    ap.add_argument("--e-vocab", type=int, nargs="*", default=[32000],
+                    help="part (e): draft vocabulary sizes of randomly initialised drafts (besides a trained one)")
+    ap.add_argument("--e-reps", type=int, default=21, help="part (e): timed repetitions per measurement")
+    ap.add_argument("--e-baseline-src", default=None,
+                    help="part (e): also time the EAGLE-3 drafter of an older checkout's src/ (see baseline_eagle3_drafter)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
     ap.add_argument("--specbench", default=str(ROOT.parent / "shared/data/spec_bench/question.jsonl"))
     args = ap.parse_args()
@@ -270,6 +441,11 @@ def main() -> None:
         report["d"] = part_d(target, mixed[:2], min(args.new_tokens, 32))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "confu_verify_cost.json").write_text(json.dumps(report["d"], indent=2))
+    if "e" in args.parts:
+        report["e"] = part_e(target, mixed[:2], min(args.new_tokens, 48), vocab_sizes=args.e_vocab, reps=args.e_reps,
+                             baseline_src=args.e_baseline_src)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "eagle3_draft_cost.json").write_text(json.dumps(report["e"], indent=2))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.parts != "abc":  # a partial run must not overwrite the full report
         Path(args.out, f"results_{args.parts}.json").write_text(json.dumps(report, indent=2))

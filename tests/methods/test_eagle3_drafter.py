@@ -116,30 +116,40 @@ def test_cached_rows_equal_a_fresh_forward(tiny_target, trained):
 
 
 @torch.no_grad()
-def test_frontier_logprobs_equal_a_causal_pass_over_the_path(tiny_target, trained, monkeypatch):
+@pytest.mark.parametrize("full_vocab", [False, True])
+def test_frontier_logprobs_equal_a_causal_pass_over_the_path(tiny_target, trained, monkeypatch, full_vocab):
     # An unseen context: the draft is unsure there, so frontiers mix children of different parents.
     prompt = UNSEEN_PROMPT
-    drafter = Eagle3Drafter(trained.draft, top_k=3, depth=4, total_tokens=20)
+    drafter = Eagle3Drafter(trained.draft, top_k=3, depth=4, total_tokens=20, full_vocab=full_vocab)
     out, _ = speculative_generate(tiny_target, prompt, drafter,
                                   GenerationConfig(max_new_tokens=12, temperature=0, stop_on_eos=False))
     seq = prompt + out
-    calls = []
+    calls, steps = [], []
 
     def recording(root, expand, **kwargs):
         def wrapped(batch):
-            logp = expand(batch)
-            calls.append((batch, logp.clone()))
-            return logp
+            result = expand(batch)
+            calls.append((batch, result))
+            return result
 
         return build_dynamic_tree(root, wrapped, **kwargs)
 
     monkeypatch.setattr(drafter_module, "build_dynamic_tree", recording)
+    step = drafter.rows.step
+
+    def recording_step(*args, **kwargs):
+        h, logp = step(*args, **kwargs)
+        steps.append(logp.clone())
+        return h, logp
+
+    monkeypatch.setattr(drafter.rows, "step", recording_step)  # the fast path's passes ([F, V_d] log-probs)
     state = DecodeState(target=tiny_target, cache=None, tokens=list(seq), prompt_len=len(prompt),
                         temperature=0.0)
     tree = drafter.propose(state)
     L = len(seq) - 1
     assert tree.size == 21 and [b.depth for b, _ in calls] == [0, 1, 2, 3]
     assert drafter.num_committed == L and drafter.cache.length == L  # provisional rows dropped
+    assert len(steps) == (0 if full_vocab else 3)
 
     token, parent = {0: seq[-1]}, {0: -1}
     for batch, _ in calls:
@@ -148,10 +158,29 @@ def test_frontier_logprobs_equal_a_causal_pass_over_the_path(tiny_target, traine
 
     g, h, logits = _fresh_pass(trained.draft, tiny_target, seq)
     ids = trained.draft.target_ids()
-    torch.testing.assert_close(calls[0][1][0], drafter.root_logprobs)
-    torch.testing.assert_close(calls[0][1][0, ids], torch.log_softmax(logits[0, -1], -1), rtol=0, atol=1e-5)
+    V_d = ids.numel()
+
+    def draft_vocab_rows(level, result):
+        """[F, V_d] log-probs the expansion at ``level`` chose from, checked against what it returned."""
+        if full_vocab:  # log-probs over the target vocabulary, -inf outside the draft's
+            assert result.shape[1] == tiny_target.geometry.vocab_size
+            assert (torch.isneginf(result).sum(1) == result.shape[1] - V_d).all()
+            return result[:, ids]
+        logp = drafter.rows.root_draft_logprobs[None] if level == 0 else steps[level - 1]  # [F, V_d]
+        # Top-k in the draft vocabulary, mapped to target ids only for the chosen candidates.
+        values, top = torch.topk(logp, 3, dim=-1)
+        torch.testing.assert_close(result.logprobs, values, rtol=0, atol=0)
+        assert torch.equal(result.tokens, ids[top])
+        return logp
+
+    root = draft_vocab_rows(0, calls[0][1])[0]
+    # The full-vocabulary view of the root row stays available (and -inf outside the draft vocabulary).
+    torch.testing.assert_close(drafter.root_logprobs[ids], root, rtol=0, atol=0)
+    assert torch.isneginf(drafter.root_logprobs).sum() == drafter.root_logprobs.numel() - V_d
+    torch.testing.assert_close(root, torch.log_softmax(logits[0, -1], -1), rtol=0, atol=1e-5)
     checked, mixed = 0, False
-    for batch, logp in calls[1:]:
+    for level, (batch, result) in enumerate(calls[1:], start=1):
+        logp = draft_vocab_rows(level, result)
         mixed |= len(set(batch.parents.tolist())) > 1
         for row, node in enumerate(batch.node_ids.tolist()):
             path = []
@@ -167,8 +196,7 @@ def test_frontier_logprobs_equal_a_causal_pass_over_the_path(tiny_target, traine
                 positions = torch.arange(len(row_ids))  # committed rows 0..L-1, then L-1+k at depth k
                 hs, lg = trained.draft.forward_step(torch.tensor([row_ids]), hidden, positions)
                 state_out = hs[:, -1:]
-            torch.testing.assert_close(logp[row, ids], torch.log_softmax(lg[0, -1], -1), rtol=0, atol=1e-5)
-            assert torch.isneginf(logp[row]).sum() == logp.shape[1] - ids.numel()
+            torch.testing.assert_close(logp[row], torch.log_softmax(lg[0, -1], -1), rtol=0, atol=1e-5)
             checked += 1
     assert checked == 9 and mixed
 

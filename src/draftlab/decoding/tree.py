@@ -240,9 +240,42 @@ class FrontierBatch:
         return int(self.ancestor_mask.shape[1])
 
 
+@dataclass
+class TopCandidates:
+    """What ``expand`` may return instead of ``[F, V]`` log-probs: each frontier row's best children, already
+    chosen by the drafter (e.g. a top-k inside a reduced draft vocabulary, mapped to target ids only for the
+    chosen ones).
+
+    - ``logprobs``: ``Tensor[F, k]`` each row's log-probs in descending order (as ``torch.topk`` returns them).
+    - ``tokens``: ``LongTensor[F, k]`` their target token ids.
+
+    ``k`` may be below ``top_k`` (a vocabulary smaller than ``top_k``); columns past ``top_k`` are ignored.
+    It must be what ``torch.topk`` over the full log-probs would give, up to the non-finite entries that
+    ``build_dynamic_tree`` drops anyway: then the tree is the same as from the full log-probs.
+    """
+
+    logprobs: torch.Tensor  # [F, k]
+    tokens: torch.Tensor  # [F, k]
+
+
+def _best_first(parents: list[int], scores: list[float], total_tokens: int) -> list[int]:
+    """Best-first selection from the root (a node is eligible once its parent is selected; ties broken by
+    generation order): the candidates kept, root first, in selection order."""
+    children = children_lists(parents)
+    heap = [(-scores[c], c) for c in children[0]]
+    heapq.heapify(heap)
+    selected = [0]
+    while heap and len(selected) < total_tokens + 1:
+        _, node = heapq.heappop(heap)
+        selected.append(node)
+        for child in children[node]:
+            heapq.heappush(heap, (-scores[child], child))
+    return selected
+
+
 def build_dynamic_tree(
     root_token: int,
-    expand: Callable[[FrontierBatch], torch.Tensor],
+    expand: Callable[[FrontierBatch], torch.Tensor | TopCandidates],
     *,
     top_k: int,
     depth: int,
@@ -252,7 +285,9 @@ def build_dynamic_tree(
     with Dynamic Draft Trees", arXiv:2406.16858).
 
     ``expand(frontier) -> logprobs [F, V]`` returns the drafter's log-probabilities of the token that
-    follows each frontier node; it is called once per depth (``depth`` calls at most).
+    follows each frontier node; it is called once per depth (``depth`` calls at most). It may instead
+    return ``TopCandidates`` (each row's best children, already chosen): a drafter with a reduced
+    vocabulary then never materialises log-probs over the whole target vocabulary.
 
     Algorithm (a node's score is its cumulative draft log-probability, the sum of ``logprobs`` along its
     root path, which approximates the chance that the target accepts the whole path):
@@ -273,75 +308,92 @@ def build_dynamic_tree(
     vocabulary) are dropped; if a frontier empties, growth stops early. Proposals are chosen
     deterministically, so the tree has ``deterministic=True`` and ``draft_probs=None``: the verifier must
     use the deterministic-candidate rule, not ``min(1, p/q)``.
+
+    The bookkeeping is vectorised (no Python per candidate). Best-first selection equals the prefix of all
+    candidates sorted by (score descending, generation order) whenever every node of that prefix comes
+    after its parent in it, which holds whenever log-probs are <= 0; otherwise (an ``expand`` returning
+    positive "log-probs") the best-first search itself runs.
     """
     if top_k < 1 or depth < 0 or total_tokens < 0:
         raise ValueError(f"need top_k >= 1, depth >= 0, total_tokens >= 0; got {top_k}, {depth}, {total_tokens}")
 
-    cand_tokens = [int(root_token)]
-    cand_parents = [-1]
-    cand_depth = [0]
-    cand_scores = [0.0]
     max_candidates = 1 + top_k + max(depth - 1, 0) * top_k * top_k
+    cand_tokens = torch.empty(max_candidates, dtype=torch.long)  # [Cmax]
+    cand_parents = torch.empty(max_candidates, dtype=torch.long)  # [Cmax]
+    cand_depth = torch.empty(max_candidates, dtype=torch.long)  # [Cmax]
+    cand_scores = torch.empty(max_candidates, dtype=torch.float32)  # [Cmax]
+    cand_tokens[0], cand_parents[0], cand_depth[0], cand_scores[0] = int(root_token), -1, 0, 0.0
     ancestors = torch.zeros(max_candidates, max_candidates, dtype=torch.bool)  # [Cmax, Cmax]
     ancestors[0, 0] = True
-    frontier = [0]
+    frontier = torch.zeros(1, dtype=torch.long)  # [F] candidate ids, in generation order
+    num = 1  # candidates so far
 
     levels = depth if total_tokens > 0 else 0
     for level in range(levels):
-        num = len(cand_tokens)
+        f = frontier.shape[0]
         batch = FrontierBatch(
-            node_ids=torch.tensor(frontier, dtype=torch.long),
-            tokens=torch.tensor([cand_tokens[i] for i in frontier], dtype=torch.long),
-            parents=torch.tensor([cand_parents[i] for i in frontier], dtype=torch.long),
+            node_ids=frontier.clone(),  # the drafter's own copy: ``frontier`` is read again below
+            tokens=cand_tokens[frontier],
+            parents=cand_parents[frontier],
             depth=level,
-            ancestor_mask=ancestors[frontier, :num].clone(),  # [F, C]
-            scores=torch.tensor([cand_scores[i] for i in frontier], dtype=torch.float32),
+            ancestor_mask=ancestors[frontier, :num],  # [F, C] (a copy: advanced indexing)
+            scores=cand_scores[frontier],
         )
-        logprobs = expand(batch)  # [F, V]
-        if logprobs.ndim != 2 or logprobs.shape[0] != len(frontier):
-            raise ValueError(f"expand must return [F={len(frontier)}, V] log-probs, got {tuple(logprobs.shape)}")
-        k = min(top_k, logprobs.shape[-1])
-        # top-k on the drafter's device; only the small [F, k] result comes back to the host.
-        top_vals, top_ids = torch.topk(logprobs.detach().float(), k, dim=-1)  # [F, k]
-        child_scores = batch.scores[:, None] + top_vals.cpu()  # [F, k]
-        child_tokens = top_ids.cpu()  # [F, k]
-
-        new_ids, new_scores = [], []
-        for row, parent in enumerate(frontier):
-            for col in range(k):
-                score = float(child_scores[row, col])
-                if score != score or score == float("-inf"):
-                    continue
-                new_ids.append(len(cand_tokens))
-                new_scores.append(score)
-                cand_tokens.append(int(child_tokens[row, col]))
-                cand_parents.append(parent)
-                cand_depth.append(level + 1)
-                cand_scores.append(score)
-        if not new_ids:
+        out = expand(batch)
+        if isinstance(out, TopCandidates):
+            top_vals, top_ids = out.logprobs, out.tokens
+            if top_vals.ndim != 2 or top_vals.shape[0] != f or top_ids.shape != top_vals.shape:
+                raise ValueError(f"expand must return TopCandidates of [F={f}, k] log-probs and tokens, got "
+                                 f"{tuple(top_vals.shape)} and {tuple(top_ids.shape)}")
+            top_vals, top_ids = top_vals[:, :top_k].detach().float(), top_ids[:, :top_k]  # [F, k]
+        else:
+            if out.ndim != 2 or out.shape[0] != f:
+                raise ValueError(f"expand must return [F={f}, V] log-probs, got {tuple(out.shape)}")
+            k = min(top_k, out.shape[-1])
+            # top-k on the drafter's device; only the small [F, k] result comes back to the host.
+            top_vals, top_ids = torch.topk(out.detach().float(), k, dim=-1)  # [F, k]
+        k = top_vals.shape[1]
+        child_scores = (batch.scores[:, None] + top_vals.cpu()).reshape(-1)  # [F*k] in generation order
+        child_tokens = top_ids.cpu().to(torch.long).reshape(-1)  # [F*k]
+        child_parents = frontier.repeat_interleave(k)  # [F*k]
+        # Drop NaN and -inf (an impossible token); +inf stays, as it always did.
+        finite = child_scores > float("-inf")  # [F*k]
+        if not bool(finite.all()):
+            keep = finite.nonzero().flatten()  # [M]
+            child_scores, child_tokens, child_parents = child_scores[keep], child_tokens[keep], child_parents[keep]
+        m = child_scores.shape[0]
+        if m == 0:
             break
-        new = torch.tensor(new_ids, dtype=torch.long)  # [M]
-        parent_of_new = torch.tensor([cand_parents[i] for i in new_ids], dtype=torch.long)  # [M]
-        ancestors[new] = ancestors[parent_of_new]
-        ancestors[new, new] = True
+        new = slice(num, num + m)  # the new candidates' ids
+        cand_tokens[new], cand_parents[new], cand_depth[new], cand_scores[new] = (
+            child_tokens, child_parents, level + 1, child_scores)
+        ancestors[new] = ancestors[child_parents]
+        ancestors[new, new].fill_diagonal_(True)
         # Next frontier: the top_k new candidates by score; a stable sort keeps generation order on ties.
-        order = sorted(range(len(new_ids)), key=lambda j: -new_scores[j])[:top_k]
-        frontier = [new_ids[j] for j in sorted(order)]
+        if m <= top_k:
+            frontier = torch.arange(num, num + m)
+        else:
+            order = torch.sort(child_scores, descending=True, stable=True).indices[:top_k]  # [top_k]
+            frontier = order.sort().values + num
+        num += m
 
     # Best-first selection from the root == global top-`total_tokens` when scores decrease along paths,
     # and always ancestor-closed.
-    children = children_lists(cand_parents)
-    heap = [(-cand_scores[c], c) for c in children[0]]
-    heapq.heapify(heap)
-    selected = [0]
-    while heap and len(selected) < total_tokens + 1:
-        _, node = heapq.heappop(heap)
-        selected.append(node)
-        for child in children[node]:
-            heapq.heappush(heap, (-cand_scores[child], child))
-
-    selected.sort(key=lambda c: (cand_depth[c], c))
-    new_index = {c: i for i, c in enumerate(selected)}
-    tokens = [cand_tokens[c] for c in selected]
-    parents = [-1] + [new_index[cand_parents[c]] for c in selected[1:]]
-    return DraftTree.from_parents(tokens, parents, deterministic=True)
+    scores, parents_all = cand_scores[1:num], cand_parents[:num]
+    ranked = torch.sort(scores, descending=True, stable=True).indices + 1  # [C-1] candidate ids, best first
+    rank = torch.empty(num, dtype=torch.long)  # [C]
+    rank[0] = -1
+    rank[ranked] = torch.arange(num - 1)
+    taken = ranked[:total_tokens]  # [n]
+    if bool((rank[parents_all[taken]] < rank[taken]).all()):
+        selected = torch.cat([torch.zeros(1, dtype=torch.long), taken])  # [N]
+    else:  # a child outranks its parent: only the best-first search is ancestor-closed
+        selected = torch.tensor(_best_first(parents_all.tolist(), cand_scores[:num].tolist(), total_tokens),
+                                dtype=torch.long)
+    # Topological order: by depth, then generation order.
+    selected = selected[torch.sort(cand_depth[selected] * num + selected).indices]  # [N]
+    new_index = torch.empty(num, dtype=torch.long)  # [C]
+    new_index[selected] = torch.arange(selected.shape[0])
+    parents = new_index[cand_parents[selected].clamp(min=0)]  # [N]
+    parents[0] = -1
+    return DraftTree(cand_tokens[selected], parents, cand_depth[selected], None, deterministic=True)

@@ -13,6 +13,12 @@ committed row plus its ancestors' rows and itself. Those rows are written to the
 committed length and dropped again at the end of ``propose``; ``update`` then appends the rows of the
 accepted tokens, computed from the target's features of the verify pass.
 
+Every level's frontier rows run in one draft pass, and candidates are chosen inside the draft vocabulary:
+log-softmax and top-k over the ``V_d`` head outputs, target ids looked up only for the chosen ids
+(``DraftRows.top_candidates``). The full-vocabulary log-probs (``-inf`` outside the draft vocabulary) have
+exactly those values at the draft's ids, so the trees are the ones top-k over the target vocabulary grows
+(``full_vocab=True`` keeps that reference path; ``root_logprobs`` stays available, built when read).
+
 The draft cache is a ``DraftRows``; ``grow`` and ``accept`` take ``SideKeys`` (keys outside the cache the
 rows also attend to), which is how a method that extends EAGLE-3 with extra draft inputs (ConFu's future
 token) composes this drafter instead of overriding it.
@@ -20,13 +26,32 @@ token) composes this drafter instead of overriding it.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from draftlab.decoding.cache import KVCache
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
-from draftlab.decoding.tree import DraftTree, FrontierBatch, build_dynamic_tree
+from draftlab.decoding.tree import DraftTree, FrontierBatch, TopCandidates, build_dynamic_tree
 from draftlab.methods.eagle3.draft_cache import DraftRows
 from draftlab.methods.eagle3.model import Eagle3Draft, SideKeys
+
+
+def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bfloat16"`` / ``"bf16"`` / ``torch.bfloat16`` / None -> a torch dtype or None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+            "float": "float32"}.get(str(dtype), str(dtype)).removeprefix("torch.")
+    resolved = getattr(torch, name, None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"drafter dtype must be a floating dtype such as 'bfloat16', got {dtype!r}")
+    return resolved
+
+
+def _weights_version(module: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    # Changes whenever a parameter or buffer is replaced or modified in place (optimiser steps, copy_).
+    return tuple((id(t), t._version) for t in module.state_dict(keep_vars=True).values())
 
 
 class Eagle3Drafter(Drafter):
@@ -37,16 +62,61 @@ class Eagle3Drafter(Drafter):
     draft nodes kept (the root excluded), as in ``decoding.tree.build_dynamic_tree``. Candidates are
     chosen by top-k, so the trees are deterministic and sampling stays exact through the shared verifier.
 
+    ``dtype`` (e.g. ``"bfloat16"``; None = the draft's own): the draft passes run in a copy of the draft
+    cast to it (re-synced from ``draft`` whenever its weights change); ``head_dtype`` casts only the LM head
+    of that copy (default: ``dtype``), e.g. a bf16 head on an fp32 draft, since the head is the one matrix
+    large enough for bf16 to pay on a CPU (see experiments/engine_baseline, part e). Log-probs and tree
+    scores stay fp32; the target and the verifier keep their own precision, so the output distribution is
+    unchanged, only the proposals may differ.
+    ``full_vocab``: the reference path, every row's log-probs over the whole target vocabulary and top-k
+    there (what this drafter did before it worked in the draft vocabulary; same trees, slower).
+
     One drafter serves one sequence at a time: ``reset`` starts the draft cache afresh.
     """
 
-    def __init__(self, draft: Eagle3Draft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60):
+    def __init__(self, draft: Eagle3Draft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
+                 dtype: str | torch.dtype | None = None, head_dtype: str | torch.dtype | None = None,
+                 full_vocab: bool = False):
         if top_k < 1 or depth < 0 or total_tokens < 0:
             raise ValueError(f"need top_k >= 1, depth >= 0, total_tokens >= 0; "
                              f"got {top_k}, {depth}, {total_tokens}")
         self.draft = draft.eval()
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
-        self.rows = DraftRows(self.draft)
+        own = self.draft.fc.weight.dtype
+        self.dtype = _as_dtype(dtype) or own
+        self.head_dtype = _as_dtype(head_dtype) or self.dtype
+        self._compute, self._synced = self.draft, None
+        if self.dtype != own or self.head_dtype != self.draft.lm_head.weight.dtype:
+            compute = copy.deepcopy(self.draft).to(self.dtype)
+            compute.lm_head.to(self.head_dtype)
+            self._compute = compute.eval().requires_grad_(False)
+            self._synced = _weights_version(self.draft)
+        self.rows = DraftRows(self._compute, full_vocab=full_vocab)
+
+    @property
+    def full_vocab(self) -> bool:
+        """Reference path: log-probs over the target vocabulary for every row and top-k there."""
+        return self.rows.full_vocab
+
+    @full_vocab.setter
+    def full_vocab(self, on: bool) -> None:
+        self.rows.full_vocab = bool(on)
+
+    @property
+    def compute_draft(self) -> Eagle3Draft:
+        """The module the draft passes run in: ``draft`` itself, or its copy cast to ``dtype``."""
+        return self._compute
+
+    def _sync_compute(self) -> None:
+        # The cast copy follows the draft's weights (training between evaluations, a reloaded state dict).
+        if self._compute is self.draft:
+            return
+        version = _weights_version(self.draft)
+        if version != self._synced:
+            with torch.no_grad():
+                for mine, theirs in zip(self._compute.state_dict().values(), self.draft.state_dict().values()):
+                    mine.copy_(theirs)
+            self._synced = version
 
     @property
     def cache_chunk(self) -> int:
@@ -124,29 +194,38 @@ class Eagle3Drafter(Drafter):
         if len(state.tokens) != p + 1:
             raise ValueError(f"expected prompt + root ({p + 1} tokens) after prefill, "
                              f"got {len(state.tokens)}")
+        self._sync_compute()
         self.rows.start(p)
         self.rows.append(state.tokens[1:p + 1], state.accepted_aux, side)
 
     def grow(self, state: DecodeState, side: SideKeys | None = None) -> DraftTree:
         """An EAGLE-2 dynamic tree from the root (``state.tokens[-1]``); every tree row also sees ``side``
-        (whose mask, if any, is ignored: the rows of one expansion differ in number)."""
+        (whose mask, if any, is ignored: the rows of one expansion differ in number).
+
+        Each level's frontier rows run in one draft pass; top-k happens in the draft vocabulary and only the
+        chosen ids are mapped to target ids (``DraftRows.top_candidates``), unless the rows take the
+        full-vocabulary reference path (``full_vocab``, or a wrapped ``DraftRows.run``)."""
         rows = self.rows
         if len(state.tokens) != rows.num_tokens:
             raise RuntimeError(f"the draft cache accounts for {rows.num_tokens} tokens but the sequence has "
                                f"{len(state.tokens)}: call reset/update after every engine step")
         committed = rows.committed
         device = rows.device
+        reference = rows.reference
         tree_side = SideKeys(side.kv) if side is not None else None
         max_candidates = 1 + self.top_k + max(self.depth - 1, 0) * self.top_k ** 2
         slot = torch.full((max_candidates,), -1, dtype=torch.long)  # [Cmax] cache row of each candidate
-        states: dict[int, torch.Tensor] = {}  # candidate -> its row's output state [d]
+        # Output state of each expanded candidate's row (candidate 0, the root: the last committed row).
+        states = rows.h_last.new_empty(max_candidates, rows.h_last.shape[-1])  # [Cmax, d]
+        states[0] = rows.h_last
 
-        def expand(batch: FrontierBatch) -> torch.Tensor:
+        def expand(batch: FrontierBatch) -> torch.Tensor | TopCandidates:
             if batch.depth == 0:
-                return rows.root_logprobs[None]  # [1, V]
-            nodes, parents = batch.node_ids.tolist(), batch.parents.tolist()
-            f, c = len(nodes), batch.num_candidates
-            hidden = torch.stack([rows.h_last if p == 0 else states[p] for p in parents])  # [F, d]
+                if reference:
+                    return rows.root_logprobs[None]  # [1, V]
+                return rows.top_candidates(rows.root_draft_logprobs[None], self.top_k)  # [1, k]
+            f, c = batch.node_ids.shape[0], batch.num_candidates
+            hidden = states[batch.parents.to(device)]  # [F, d] the rows that proposed the frontier
             # Growing first keeps the slot numbers below valid for the cache the rows are written to.
             rows.reserve(f)
             past = rows.cache.length
@@ -157,11 +236,14 @@ class Eagle3Drafter(Drafter):
             mask[:, slot[written]] = batch.ancestor_mask[:, written]
             ids = batch.tokens.to(device)  # [F]
             positions = torch.full((f,), committed - 1 + batch.depth, dtype=torch.long, device=device)  # [F]
-            h, logp = rows.run(ids, hidden, positions, mask.to(device), tree_side)  # [F, d], [F, V]
+            if reference:
+                h, out = rows.run(ids, hidden, positions, mask.to(device), tree_side)  # [F, d], [F, V]
+            else:
+                h, logp = rows.step(ids, hidden, positions, mask.to(device), tree_side)  # [F, d], [F, V_d]
+                out = rows.top_candidates(logp, self.top_k)  # [F, k]
             rows.cache.commit(f)
-            for j, node in enumerate(nodes):
-                states[node] = h[j]
-            return logp
+            states[batch.node_ids.to(device)] = h
+            return out
 
         try:
             return build_dynamic_tree(state.root, expand, top_k=self.top_k, depth=self.depth,

@@ -216,16 +216,45 @@ class SideKeys:
 # modules
 
 
+# Rows for which a reduced-precision (bf16/fp16) CPU product is computed weight-major: ``W @ x.T`` for 2..32
+# rows and ``torch.mv`` for one. oneDNN's small-row ``x @ W.T`` is slower there on every draft shape
+# (SmolLM2-sized draft, 2 cores; head 32000 x 576: 1 row 2.2 -> 1.2 ms, 3 rows 2.0 -> 1.4 ms; q|k|v-sized
+# 960 x 1152, 1 row 0.17 -> 0.10 ms; experiments/engine_baseline part e). fp32 keeps ``F.linear``: MKL's
+# small-row GEMM beats the weight-major product in fp32 (same head, 3 rows: 2.0 vs 5.1 ms).
+_WEIGHT_MAJOR_MAX_ROWS = 32
+
+
+class DraftLinear(nn.Linear):
+    """``nn.Linear`` (same parameters, names and hooks) with faster CPU kernels for inference passes of a
+    few rows in bf16/fp16 (``_WEIGHT_MAJOR_MAX_ROWS``); training and fp32 run ``F.linear`` unchanged.
+
+    The weight-major result is returned as the transposed view of ``W @ x.T`` (not copied: a bf16
+    transposing copy of a 32000-wide head costs a third of the product); every consumer accepts strides.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (1 <= rows <= _WEIGHT_MAJOR_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+                and x.device.type == "cpu" and self.bias is None and not torch.is_grad_enabled()):
+            x2 = x.reshape(rows, x.shape[-1])  # [rows, in]
+            if rows == 1:
+                y = torch.mv(self.weight, x2[0])[None]  # [1, out]
+            else:
+                y = torch.mm(self.weight, x2.T).T  # [rows, out], strides (1, rows)
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
 class Eagle3Attention(nn.Module):
     def __init__(self, config: Eagle3Config, in_features: int):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim ** -0.5
-        self.q_proj = nn.Linear(in_features, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_features, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_features, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = DraftLinear(in_features, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = DraftLinear(in_features, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = DraftLinear(in_features, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = DraftLinear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: DraftAttention,
                 layer: int) -> torch.Tensor:
@@ -242,9 +271,9 @@ class Eagle3Attention(nn.Module):
 class Eagle3MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = DraftLinear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = DraftLinear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = DraftLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -292,12 +321,12 @@ class Eagle3Draft(nn.Module):
             self.fc_norm = nn.ModuleList(RMSNorm(dt, c.rms_norm_eps) for _ in range(3))
         if c.norm_before_fc:
             self.input_norm = RMSNorm(3 * dt, c.rms_norm_eps)
-        self.fc = nn.Linear(3 * dt, d, bias=False)
+        self.fc = DraftLinear(3 * dt, d, bias=False)
         self.midlayer = Eagle3DecoderLayer(c, first=True)
         # Named additional_layers.{i} (i from 0) for layers 2..num_layers; empty for the native 1-layer draft.
         self.additional_layers = nn.ModuleList(Eagle3DecoderLayer(c, first=False) for _ in range(c.num_layers - 1))
         self.norm = RMSNorm(d, c.rms_norm_eps)
-        self.lm_head = nn.Linear(d, c.draft_vocab_size, bias=False)
+        self.lm_head = DraftLinear(d, c.draft_vocab_size, bias=False)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
         # Identity mapping until a real one is set: draft id i <-> target id i.
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))  # [V_d]
@@ -373,11 +402,14 @@ class Eagle3Draft(nn.Module):
         return self.fc(x)  # [B, T, d]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits ``[B, T, V_d]`` from the pre-norm hidden state."""
-        return self.lm_head(self.norm(hidden) if self.config.norm_output else hidden)
+        """Draft-vocab logits ``[B, T, V_d]`` from the pre-norm hidden state (in the head's dtype, which an
+        inference copy may set apart from the rest, e.g. a bf16 head on an fp32 draft)."""
+        x = self.norm(hidden) if self.config.norm_output else hidden
+        return self.lm_head(x.to(self.lm_head.weight.dtype))
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                attention: DraftAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                attention: DraftAttention | None = None, logits_rows: slice | torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.config.hidden_size
         if hidden.shape[-1] != d:
             # Target features (3*d_t) go through fc; the draft's own fed-back state (d) does not (sec. 1.2).
@@ -392,10 +424,11 @@ class Eagle3Draft(nn.Module):
         h = self.midlayer(emb, hidden, cos, sin, attention, 0)  # [B, T, d]
         for i, layer in enumerate(self.additional_layers, start=1):
             h = layer(None, h, cos, sin, attention, i)
-        return h, self.compute_logits(h)
+        return h, self.compute_logits(h if logits_rows is None else h[:, logits_rows])
 
     def forward_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                     attention: DraftAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     attention: DraftAttention | None = None, *, logits_rows: slice | torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass over T rows; returns ``(hidden [B, T, d] pre-norm, logits [B, T, V_d])``.
 
         input_ids    [B, T] target-vocabulary tokens (the token each row consumes).
@@ -403,6 +436,9 @@ class Eagle3Draft(nn.Module):
         position_ids [B, T] or [T], explicit (TTT step k passes ``positions + k``; trees pass depth offsets).
         attention    a ``DraftAttention``: ``CausalAttention`` (default), ``ttt.TTTAttention`` or
                      ``CacheAttention``. Runs through ``__call__``, so module hooks (FSDP, profilers) fire.
+        logits_rows  only these rows (an index or slice of the T dimension) go through the head, e.g.
+                     ``slice(-1, None)`` when only the last row's distribution is read: the head is the
+                     draft's largest matrix. None (default): every row.
         The returned hidden state is the pre-norm residual stream, the one fed to the next draft step.
         """
-        return self(input_ids, hidden, position_ids, attention)
+        return self(input_ids, hidden, position_ids, attention, logits_rows)
