@@ -121,12 +121,19 @@ def timed(reps, fn) -> float:
     return statistics.median(ts)
 
 
-def part_b(target, prompt, ks, reps=9):
+def part_b(target, prompt, ks, reps=9, kernels=("auto",)):
+    """Verify pass of k nodes / AR step, per small-row product (``targets/row_kernels.py``): ``auto`` is the
+    table measured on this machine, ``gemm`` / ``weight_major`` force one product. The products alternate
+    inside every repetition, so the machine's speed drifts alike for all of them."""
+    from draftlab.targets.row_kernels import RowKernels
+
     cache = target.new_cache(1, len(prompt) + 256)
     target.forward(torch.tensor([prompt]), cache=cache)
     cache.commit(len(prompt))
     past = cache.length
-
+    sets = {m: (target.row_kernels if m == "auto" else RowKernels(m)) for m in kernels}
+    if "auto" in sets:
+        print("(b) " + sets["auto"].describe())
     step = timed(reps, lambda: target.forward(torch.tensor([[prompt[-1]]]), cache=cache))
     rows = []
     for k in ks:
@@ -134,11 +141,24 @@ def part_b(target, prompt, ks, reps=9):
         parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)])
         tree = DraftTree.from_parents(torch.tensor(prompt[:k] if len(prompt) >= k else [prompt[-1]] * k), parents)
         mask = torch.cat([torch.ones(k, past, dtype=torch.bool), ancestor_mask(tree.parents)], 1)
-        t = timed(reps, lambda tree=tree, mask=mask: target.forward(tree.tokens[None], past + tree.depth, cache, mask))
-        rows.append({"nodes": k, "seconds": t, "relative_to_ar_step": t / step})
-    print("(b) verify pass cost relative to one AR step: " +
-          "  ".join(f"k={r['nodes']}: {r['relative_to_ar_step']:.2f}x" for r in rows) + f"  (AR step {step * 1e3:.1f} ms)")
-    return {"ar_step_seconds": step, "rows": rows}
+        times = {m: [] for m in sets}
+        for _ in range(reps + 1):  # the first repetition warms up
+            for m, kset in sets.items():
+                target._row_kernels = kset
+                t0 = time.perf_counter()
+                target.forward(tree.tokens[None], past + tree.depth, cache, mask)
+                times[m].append(time.perf_counter() - t0)
+        target._row_kernels = sets.get("auto")
+        row = {"nodes": k}
+        for m, ts in times.items():
+            t = statistics.median(ts[1:])
+            row[m] = {"seconds": t, "relative_to_ar_step": t / step}
+        row.update(row[kernels[0]])  # the first product set is the headline (older readers: seconds, relative)
+        rows.append(row)
+    for m in sets:
+        print(f"(b) verify pass / AR step, {m:12s}: " +
+              "  ".join(f"k={r['nodes']}: {r[m]['relative_to_ar_step']:.2f}x" for r in rows) + f"  (AR step {step * 1e3:.1f} ms)")
+    return {"ar_step_seconds": step, "kernels": list(kernels), "rows": rows}
 
 
 def part_c(target, prompts, n, num_draft):
@@ -411,6 +431,8 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--parts", default="abc")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], help="dtypes for part (a)")
+    ap.add_argument("--b-kernels", nargs="+", default=["auto", "gemm", "weight_major"],
+                    help="part (b): small-row products to compare (auto = measured on this machine)")
     ap.add_argument("--e-vocab", type=int, nargs="*", default=[32000],
                     help="part (e): draft vocabulary sizes of randomly initialised drafts (besides a trained one)")
     ap.add_argument("--e-reps", type=int, default=21, help="part (e): timed repetitions per measurement")
@@ -431,7 +453,7 @@ def main() -> None:
             t = target if dt == "fp32" else load_target("asset:smollm2-135m-instruct", dtype=dt)
             report["a"].append(part_a(t, mixed, args.new_tokens, dt))
     if "b" in args.parts:
-        report["b"] = part_b(target, mixed[0], [1, 2, 4, 8, 16, 32, 64])
+        report["b"] = part_b(target, mixed[0], [1, 2, 4, 8, 16, 32, 64], kernels=tuple(args.b_kernels))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "verify_cost.json").write_text(json.dumps(report["b"], indent=2))
     if "c" in args.parts:

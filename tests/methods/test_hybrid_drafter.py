@@ -62,3 +62,35 @@ def test_the_shipped_hybrid_reuses_the_eagle3_training_key():
     hybrid, eagle3 = MethodSpec.from_name("eagle3_suffix"), MethodSpec.from_name("eagle3")
     assert hybrid.key_config() == eagle3.key_config()
     assert hybrid.label != eagle3.label and "lookup_tokens" in hybrid.axes()
+
+
+def test_each_sized_component_learns_from_its_own_accepted_nodes():
+    from draftlab.decoding.budget import TreeBudget
+    from draftlab.decoding.cost import VerifyCost
+    from draftlab.decoding.drafter import Drafter, VerifyOutput
+    from draftlab.decoding.verify import VerifyResult
+
+    class Fixed(Drafter):
+        def __init__(self, tree):
+            self.tree, self.budget, self.updates = tree, TreeBudget(VerifyCost.linear(1.0, 0.0), level_seconds=0.0), 0
+
+        def propose(self, state):
+            self.budget.choose(torch.full((self.tree.size - 1,), 0.5), 1)
+            return self.tree
+
+        def update(self, state, out):
+            self.budget.observe(len(out.result.path) - 1)  # what a component sees: the merged path
+            self.updates += 1
+
+    learned = Fixed(DraftTree.chain(5, [1, 2]))
+    lookup = Fixed(DraftTree.chain(5, [3, 4, 6]))
+    drafter = HybridDrafter(learned, lookup)
+    merged = drafter.propose(None)
+    path = [0] + [i for i in range(1, merged.size) if merged.tokens[i] in (3, 4)]  # lookup's branch, 2 nodes
+    out = VerifyOutput(tree=merged, result=VerifyResult(path=path, bonus_token=7), logits=torch.zeros(merged.size, 8),
+                       aux=None, accepted_aux=None, extra=None, kept=len(path))
+    drafter.update(None, out)
+    assert learned.updates == lookup.updates == 1
+    d = learned.budget.decay
+    assert learned.budget._accepted == pytest.approx(d * 1.0 + (1 - d) * 0)  # none of its nodes were accepted
+    assert lookup.budget._accepted == pytest.approx(d * 1.0 + (1 - d) * 2)

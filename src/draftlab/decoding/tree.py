@@ -20,8 +20,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # budget -> cost -> tree
+    from draftlab.decoding.budget import TreeBudget
 
 IntsLike = torch.Tensor | Sequence[int]
 
@@ -280,6 +284,7 @@ def build_dynamic_tree(
     top_k: int,
     depth: int,
     total_tokens: int,
+    budget: TreeBudget | None = None,
 ) -> DraftTree:
     """Grow an EAGLE-2 dynamic draft tree (Li et al., 2024, "EAGLE-2: Faster Inference of Language Models
     with Dynamic Draft Trees", arXiv:2406.16858).
@@ -309,6 +314,10 @@ def build_dynamic_tree(
     deterministically, so the tree has ``deterministic=True`` and ``draft_probs=None``: the verifier must
     use the deterministic-candidate rule, not ``min(1, p/q)``.
 
+    ``budget`` (``tree: auto``, see ``decoding.budget``): ``total_tokens`` becomes a cap, growth stops once
+    another level cannot pay for itself, and the kept prefix of the best-first order is the size with the
+    most expected tokens per second.
+
     The bookkeeping is vectorised (no Python per candidate). Best-first selection equals the prefix of all
     candidates sorted by (score descending, generation order) whenever every node of that prefix comes
     after its parent in it, which holds whenever log-probs are <= 0; otherwise (an ``expand`` returning
@@ -329,6 +338,9 @@ def build_dynamic_tree(
     num = 1  # candidates so far
 
     levels = depth if total_tokens > 0 else 0
+    if budget is not None:
+        expand = budget.timed(expand)
+    run = 0  # levels expanded
     for level in range(levels):
         f = frontier.shape[0]
         batch = FrontierBatch(
@@ -376,6 +388,11 @@ def build_dynamic_tree(
             order = torch.sort(child_scores, descending=True, stable=True).indices[:top_k]  # [top_k]
             frontier = order.sort().values + num
         num += m
+        run = level + 1
+        if budget is not None and run < levels:
+            pool = torch.sort(cand_scores[1:num], descending=True).values[:total_tokens].exp()  # [<=N]
+            if not budget.keep_growing(pool, cand_scores[frontier].exp(), run):
+                break
 
     # Best-first selection from the root == global top-`total_tokens` when scores decrease along paths,
     # and always ancestor-closed.
@@ -386,10 +403,12 @@ def build_dynamic_tree(
     rank[ranked] = torch.arange(num - 1)
     taken = ranked[:total_tokens]  # [n]
     if bool((rank[parents_all[taken]] < rank[taken]).all()):
-        selected = torch.cat([torch.zeros(1, dtype=torch.long), taken])  # [N]
+        selected = torch.cat([torch.zeros(1, dtype=torch.long), taken])  # [N], root first, best first
     else:  # a child outranks its parent: only the best-first search is ancestor-closed
         selected = torch.tensor(_best_first(parents_all.tolist(), cand_scores[:num].tolist(), total_tokens),
                                 dtype=torch.long)
+    if budget is not None:  # any prefix of the selection order is ancestor-closed
+        selected = selected[:1 + budget.choose(cand_scores[selected[1:]].exp(), run)]
     # Topological order: by depth, then generation order.
     selected = selected[torch.sort(cand_depth[selected] * num + selected).indices]  # [N]
     new_index = torch.empty(num, dtype=torch.long)  # [C]

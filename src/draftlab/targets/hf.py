@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from draftlab.assets import cache_root
 from draftlab.decoding.cache import KVCache, PinnedKV, SparseView
 from draftlab.targets.base import Geometry, LayerConvention, LayerOutput, TargetOutput, default_aux_layer_ids
+from draftlab.targets.row_kernels import MODES, RowKernels
 from draftlab.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -74,7 +76,8 @@ class HFTarget:
     """A frozen HF causal LM exposing the ``Target`` protocol."""
 
     def __init__(self, model, tokenizer, *, aux_layer_ids: list[int] | None = None,
-                 layer_convention: LayerConvention | str = LayerConvention.OUTPUT_OF, name: str | None = None):
+                 layer_convention: LayerConvention | str = LayerConvention.OUTPUT_OF, name: str | None = None,
+                 row_kernels: str = "auto"):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "target")
@@ -103,6 +106,22 @@ class HFTarget:
         # fp32 only: for bf16 that layout has no fast kernel here and is several times slower.
         fast = self._layers is not None and self.dtype == torch.float32 and self.model.lm_head.bias is None
         self._lm_head_t = self.model.lm_head.weight.detach().t().contiguous() if fast else None  # [d, V]
+        # The product for passes of 2..64 rows (verify passes): ``auto`` measures it on this machine at the
+        # first such pass (cached per machine), ``gemm`` / ``weight_major`` force one (targets/row_kernels.py).
+        if row_kernels not in MODES:
+            raise ValueError(f"row_kernels must be one of {MODES}, got {row_kernels!r}")
+        self.row_kernels_mode = row_kernels
+        self._row_kernels: RowKernels | None = None
+
+    @property
+    def row_kernels(self) -> RowKernels:
+        """The small-row products of this target's matrices (measured on first use when ``auto``)."""
+        if self._row_kernels is None:
+            weights = [self.model.lm_head.weight]
+            for w in self._layers or []:
+                weights += [w["wqkv"], w["wo"], w["wgu"], w["wd"]]
+            self._row_kernels = RowKernels.for_weights(self.row_kernels_mode, weights, cache_dir=cache_root())
+        return self._row_kernels
 
     def _fuse_weights(self) -> list[dict]:
         """Per layer: q|k|v and gate|up concatenated into one matrix each.
@@ -275,7 +294,7 @@ class HFTarget:
         if self._lm_head_t is not None and h.numel() == h.shape[-1]:
             return h @ self._lm_head_t  # [1, 1, V]
         head = self.model.lm_head
-        return _linear(h, head.weight, head.bias)  # [B, T, V]
+        return self.row_kernels.linear(h, head.weight, head.bias)  # [B, T, V]
 
     @torch.no_grad()
     def forward_layers(self, hidden: torch.Tensor, start: int, end: int, *, position_ids: torch.Tensor | None = None,
@@ -314,26 +333,6 @@ class HFTarget:
         return LayerOutput(hidden=x, aux=aux)
 
     __call__ = forward
-
-
-# Rows for which ``W @ x.T`` beats ``F.linear``: on CPU, MKL runs a 2..32-row ``x @ W.T`` as a GEMM that
-# costs about as much as streaming the weights twice, while the weight-major product stays close to one
-# weight pass (measured over SmolLM2's layer shapes on 2 cores: 2 rows 42 vs 100 ms, 8 rows 58 vs 84 ms,
-# 32 rows 99 vs 168 ms; experiments/engine_baseline). Past ~32 rows MKL's GEMM wins again (whole-pass times
-# 40 rows 169 vs 149 ms, 56 rows 200 vs 169 ms): ConFu's verify passes (tree + contemplate rows) live there.
-# One row keeps F.linear (a GEMV either way).
-_WEIGHT_MAJOR_MAX_ROWS = 32
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with the small-row CPU fast path (verify passes of a few to a few dozen rows)."""
-    rows = x.numel() // x.shape[-1]
-    if not 2 <= rows <= _WEIGHT_MAJOR_MAX_ROWS or x.device.type != "cpu" or torch.is_grad_enabled():
-        return F.linear(x, weight, bias)
-    y = torch.mm(weight, x.reshape(rows, x.shape[-1]).T).T  # [rows, out]
-    if bias is not None:
-        y = y + bias
-    return y.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
 @dataclass
@@ -435,6 +434,7 @@ def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: _Rows, cache: 
     g = target.geometry
     H, Hkv, hd, d = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size
     B, T, _ = x.shape
+    _linear = target.row_kernels.linear
     h = F.rms_norm(x, (d,), w["ln1"], w["eps1"])
     q, k, v = _linear(h, w["wqkv"], w["bqkv"]).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
     q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]

@@ -9,12 +9,14 @@ broken engines / drafters fail these very checks.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from draftlab.decoding.drafter import Drafter
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
@@ -128,3 +130,48 @@ def test_greedy_equals_ar_specbench_smollm2(smollm2, shared_data, name):
     draft = quick_train(s, smollm2, steps=10) if s.trainable else None
     check_greedy_equals_ar(smollm2, (lambda: s.build_drafter(draft)) if s.trainable else s.build_drafter,
                            prompts, 32)
+
+
+# Methods whose drafter sizes its trees (``drafter.tree: fixed | auto``): with ``auto`` every round's tree is
+# chosen from the measured verify cost of the target and the draft's scores, and it must still be lossless.
+# One method per drafter class (variants that only change training share the drafter's code path).
+def _drafter_class(name: str) -> tuple:
+    d = spec(name).cfg.drafter
+    return d.get("_target_"), d.get("learned_target")
+
+
+AUTO_TREE = [m for m in METHODS if OmegaConf.select(spec(m).cfg, "drafter.tree", default=None) is not None]
+AUTO_TREE = [m for i, m in enumerate(AUTO_TREE) if _drafter_class(m) not in {_drafter_class(o) for o in AUTO_TREE[:i]}]
+
+
+def _auto(name: str, draft):
+    s = copy.deepcopy(spec(name))
+    OmegaConf.update(s.cfg, "drafter.tree", "auto")
+    drafter = s.build_drafter(draft) if s.trainable else s.build_drafter()
+    return drafter
+
+
+def test_every_tree_building_method_offers_auto():
+    assert {"eagle3", "confu", "suffix", "eagle3_suffix", "dflash"} <= set(AUTO_TREE)
+
+
+@pytest.mark.parametrize("name", AUTO_TREE)
+def test_auto_tree_greedy_equals_ar_and_sampling_follows_the_target(tiny_target, make_drafter, name):
+    make_drafter(name)  # trains once (trainable methods)
+    draft = _trained.get(name)
+    sizes = []
+
+    def fresh():
+        drafter = _auto(name, draft)
+        budget = getattr(drafter, "budget", None) or getattr(getattr(drafter, "tree", None), "budget", None) or \
+            getattr(getattr(drafter, "learned", None), "budget", None)
+        assert budget is not None, "tree: auto built no TreeBudget"
+        sizes.append(budget.sizes)
+        return drafter
+
+    accepted = check_greedy_equals_ar(tiny_target, fresh, [TRAIN_PROMPTS[1], UNSEEN_PROMPT], 20)
+    accepted += check_sampling_temperatures(tiny_target, fresh, [TRAIN_PROMPTS[1], TRAIN_PROMPTS[2]], n=40,
+                                            seeds=range(3))
+    assert any(sizes), "no round was sized by the budget"
+    if spec(name).trainable:
+        assert accepted > 0, "no draft token was ever accepted: the check proves little"

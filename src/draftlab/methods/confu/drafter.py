@@ -39,15 +39,17 @@ class ConFuDrafter(Drafter):
 
     ``top_k`` / ``depth`` / ``total_tokens`` as for ``Eagle3Drafter`` (``self.tree``, which does the tree
     and the draft cache). A verify pass has ``2 * (total_tokens + 1)`` rows, plus ``num_soft_prompts`` with
-    ``cache_soft_prompts=False`` (``verify_rows``, which the engine reserves).
+    ``cache_soft_prompts=False`` (``verify_rows``, which the engine reserves). ``tree: auto`` sizes each
+    round's tree as EAGLE-3's does, pricing every node at two verify rows (itself and its contemplate row).
     """
 
     def __init__(self, draft: ConFuDraft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
-                 cache_soft_prompts: bool = True):
+                 cache_soft_prompts: bool = True, tree: str = "fixed"):
         if not isinstance(draft, ConFuDraft):
             raise TypeError(f"ConFuDrafter needs a ConFuDraft, got {type(draft).__name__} "
                             "(ConFuDraft.from_eagle3 extends an EAGLE-3 draft)")
-        self.tree = Eagle3Drafter(draft, top_k=top_k, depth=depth, total_tokens=total_tokens)
+        self.tree = Eagle3Drafter(draft, top_k=top_k, depth=depth, total_tokens=total_tokens, tree=tree,
+                                  rows_per_node=2)
         self.draft = self.tree.draft
         self.cache_soft_prompts = cache_soft_prompts
         self._soft: tuple[tuple[int, int], PinnedKV] | None = None  # ((target, weights version), keys)

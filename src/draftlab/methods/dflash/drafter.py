@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from draftlab.decoding.budget import tree_budget
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.sampling import logits_to_probs, sample
 from draftlab.decoding.tree import DraftTree
@@ -67,10 +68,14 @@ class DFlashDrafter(Drafter):
     block_size  slots per round, root included (None: the draft's trained block size; smaller is allowed,
                 larger is not: the draft never saw slots past its block).
     sampling    ``"sample"`` (draft-probability chain at T > 0) or ``"argmax"`` (deterministic chain).
+    tree        ``fixed``: the whole block every round; ``auto``: the chain's prefix with the most expected
+                tokens per second (``decoding.budget``), scored by the cumulative draft probability of its
+                tokens. The cut depends only on the draft's own probabilities, so verification stays exact.
     One drafter serves one sequence at a time: ``reset`` starts the context afresh.
     """
 
-    def __init__(self, draft: DFlashDraft, *, block_size: int | None = None, sampling: str = "sample"):
+    def __init__(self, draft: DFlashDraft, *, block_size: int | None = None, sampling: str = "sample",
+                 tree: str = "fixed"):
         trained = draft.config.block_size
         self.block_size = int(block_size) if block_size is not None else trained
         if not 2 <= self.block_size <= trained:
@@ -80,6 +85,7 @@ class DFlashDrafter(Drafter):
         self.draft = draft.eval()
         self.sampling = sampling
         self._ctx: ContextCache | None = None
+        self.budget = tree_budget(tree)
 
     @property
     def num_context(self) -> int:
@@ -132,6 +138,8 @@ class DFlashDrafter(Drafter):
         if len(state.tokens) != p + 1:
             raise ValueError(f"expected prompt + root ({p + 1} tokens) after prefill, got {len(state.tokens)}")
         self.draft.share_target_weights(state.target)
+        if self.budget is not None:
+            self.budget.bind(state.target)
         c, w = self.draft.config, self.draft.fc.weight
         self._ctx = ContextCache(c.num_layers, c.num_kv_heads, c.head_dim, p + 256, dtype=w.dtype, device=w.device)
         self._append(state.accepted_aux)
@@ -148,19 +156,32 @@ class DFlashDrafter(Drafter):
         ids = torch.full((1, bs), c.mask_token_id, dtype=torch.long, device=device)  # [1, bs]
         ids[0, 0] = state.root
         positions = torch.arange(n - 1, n - 1 + bs, device=device)  # [bs]
-        hidden = self.draft.forward_blocks(ids, positions, self._ctx.view(), None, block_size=bs)  # [1, bs, d]
-        logits = self.draft.logits(hidden[0, 1:])  # [bs-1, V]
+        block = self.budget.timed(self._block_logits) if self.budget is not None else self._block_logits
+        logits = block((ids, positions))  # [bs-1, V]
         if state.temperature == 0 or self.sampling == "argmax":
-            return DraftTree.chain(state.root, logits.argmax(-1).cpu())
-        probs = logits_to_probs(logits, state.temperature, state.top_k, state.top_p)  # [bs-1, V]
-        gen = state.generator
-        if gen is not None and gen.device != probs.device:
-            probs = probs.to(gen.device)
-        tokens = sample(probs, gen)  # [bs-1]
+            tokens, probs = logits.argmax(-1), None  # [bs-1]
+            chosen = logits.float().softmax(-1).max(-1).values if self.budget is not None else None  # [bs-1]
+        else:
+            probs = logits_to_probs(logits, state.temperature, state.top_k, state.top_p)  # [bs-1, V]
+            gen = state.generator
+            if gen is not None and gen.device != probs.device:
+                probs = probs.to(gen.device)
+            tokens = sample(probs, gen)  # [bs-1]
+            chosen = probs.gather(-1, tokens[:, None])[:, 0] if self.budget is not None else None  # [bs-1]
+        if self.budget is not None:  # keep the prefix that pays: path probability = cumulative product
+            keep = self.budget.choose(chosen.double().cumprod(0).cpu(), 0)
+            tokens, probs = tokens[:keep], None if probs is None or keep == 0 else probs[:keep]
         return DraftTree.chain(state.root, tokens.cpu(), draft_probs=probs)
+
+    def _block_logits(self, inputs) -> torch.Tensor:
+        ids, positions = inputs
+        hidden = self.draft.forward_blocks(ids, positions, self._ctx.view(), None, block_size=self.block_size)  # [1, bs, d]
+        return self.draft.logits(hidden[0, 1:])  # [bs-1, V]
 
     @torch.no_grad()
     def update(self, state: DecodeState, out: VerifyOutput) -> None:
         """Append the context rows of the tokens the engine kept (root + accepted nodes)."""
+        if self.budget is not None:
+            self.budget.observe(len(out.result.path) - 1)
         if out.accepted_aux is not None:
             self._append(out.accepted_aux)

@@ -30,6 +30,7 @@ import copy
 
 import torch
 
+from draftlab.decoding.budget import tree_budget
 from draftlab.decoding.cache import KVCache
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.tree import DraftTree, FrontierBatch, TopCandidates, build_dynamic_tree
@@ -70,13 +71,16 @@ class Eagle3Drafter(Drafter):
     unchanged, only the proposals may differ.
     ``full_vocab``: the reference path, every row's log-probs over the whole target vocabulary and top-k
     there (what this drafter did before it worked in the draft vocabulary; same trees, slower).
+    ``tree``: ``fixed`` keeps ``total_tokens`` nodes every round; ``auto`` sizes each round's tree (at most
+    ``total_tokens`` nodes, at most ``depth`` levels) for expected tokens per second from the measured verify
+    cost of the target and the draft's own scores (``decoding.budget.TreeBudget``, ``self.budget``).
 
     One drafter serves one sequence at a time: ``reset`` starts the draft cache afresh.
     """
 
     def __init__(self, draft: Eagle3Draft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
                  dtype: str | torch.dtype | None = None, head_dtype: str | torch.dtype | None = None,
-                 full_vocab: bool = False):
+                 full_vocab: bool = False, tree: str = "fixed", rows_per_node: int = 1):
         if top_k < 1 or depth < 0 or total_tokens < 0:
             raise ValueError(f"need top_k >= 1, depth >= 0, total_tokens >= 0; "
                              f"got {top_k}, {depth}, {total_tokens}")
@@ -92,6 +96,7 @@ class Eagle3Drafter(Drafter):
             self._compute = compute.eval().requires_grad_(False)
             self._synced = _weights_version(self.draft)
         self.rows = DraftRows(self._compute, full_vocab=full_vocab)
+        self.budget = tree_budget(tree, rows_per_node=rows_per_node)
 
     @property
     def full_vocab(self) -> bool:
@@ -195,6 +200,8 @@ class Eagle3Drafter(Drafter):
             raise ValueError(f"expected prompt + root ({p + 1} tokens) after prefill, "
                              f"got {len(state.tokens)}")
         self._sync_compute()
+        if self.budget is not None:
+            self.budget.bind(state.target)
         self.rows.start(p)
         self.rows.append(state.tokens[1:p + 1], state.accepted_aux, side)
 
@@ -247,7 +254,7 @@ class Eagle3Drafter(Drafter):
 
         try:
             return build_dynamic_tree(state.root, expand, top_k=self.top_k, depth=self.depth,
-                                      total_tokens=self.total_tokens)
+                                      total_tokens=self.total_tokens, budget=self.budget)
         finally:
             rows.rollback()
 
@@ -256,6 +263,8 @@ class Eagle3Drafter(Drafter):
         returns how many (``side`` mask: ``[kept, P]``)."""
         rows = self.rows
         rows.rollback()
+        if self.budget is not None:
+            self.budget.observe(len(out.result.path) - 1)
         # The engine may keep fewer tokens than the path offers (EOS, token budget): only those get rows.
         # Row j consumes kept token j with the features of kept node j (the root first).
         n = out.kept

@@ -54,6 +54,7 @@ class HybridDrafter(Drafter):
 
     def __init__(self, learned: Drafter, lookup: Drafter):
         self.learned, self.lookup = learned, lookup
+        self._maps: list[list[int]] = []  # per component, the merged index of each of its last tree's nodes
 
     def aux_layers(self, target):
         return self.learned.aux_layers(target)
@@ -69,10 +70,17 @@ class HybridDrafter(Drafter):
         self.lookup.reset(state)
 
     def propose(self, state: DecodeState) -> DraftTree:
-        merged, _ = union_tree([self.learned.propose(state), self.lookup.propose(state)])
+        merged, self._maps = union_tree([self.learned.propose(state), self.lookup.propose(state)])
         return merged
 
     def update(self, state: DecodeState, out: VerifyOutput) -> None:
+        # A component that sizes its trees (``tree: auto``) learns from the accepted nodes of its *own* tree,
+        # not from those the other component proposed; its own update then finds the round accounted for.
+        path = set(out.result.path[1:])
+        for component, where in zip((self.learned, self.lookup), self._maps):
+            budget = getattr(component, "budget", None)
+            if budget is not None:
+                budget.observe(len(path.intersection(where[1:])))
         self.learned.update(state, out)
         self.lookup.update(state, out)
 

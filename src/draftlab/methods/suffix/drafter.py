@@ -21,6 +21,7 @@ from collections import deque
 
 import torch
 
+from draftlab.decoding.budget import tree_budget
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.suffix.suffix_trie import Node, SuffixTrie, next_token_probs
@@ -36,10 +37,12 @@ class SuffixDrafter(Drafter):
                          tokens deep, so the longest match can still be continued by a full speculation)
     max_cached_requests  earlier outputs kept in the global trie (0: per-request only); the trie is rebuilt
                          from the kept outputs when one is evicted
+    tree                 ``fixed``: the whole speculation; ``auto``: its best-first prefix with the most expected
+                         tokens per second under the target's measured verify cost (``decoding.budget``)
     """
 
     def __init__(self, max_spec_tokens: int = 16, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
-                 max_pattern: int = 16, max_cached_requests: int = 64):
+                 max_pattern: int = 16, max_cached_requests: int = 64, tree: str = "fixed"):
         if (max_spec_tokens < 1 or max_spec_factor <= 0 or not 0 <= min_token_prob <= 1 or max_pattern < 1
                 or max_cached_requests < 0):
             raise ValueError("need max_spec_tokens >= 1, max_spec_factor > 0, 0 <= min_token_prob <= 1, "
@@ -54,6 +57,7 @@ class SuffixDrafter(Drafter):
         self._prompt_len = 0
         self._indexed = 0  # tokens of the current request in its trie
         self._tokens: list[int] = []
+        self.budget = tree_budget(tree)  # no draft passes to time: the trie lookups cost next to nothing
 
     def verify_rows(self, cfg) -> int:
         return 1 + self.max_spec_tokens
@@ -62,6 +66,8 @@ class SuffixDrafter(Drafter):
 
     def reset(self, state: DecodeState) -> None:
         self._finish_request()
+        if self.budget is not None:
+            self.budget.bind(state.target)
         self._request = SuffixTrie(self.max_depth)
         self._prompt_len = state.prompt_len
         self._indexed = 0
@@ -69,7 +75,7 @@ class SuffixDrafter(Drafter):
 
     def propose(self, state: DecodeState) -> DraftTree:
         self._index(state.tokens)
-        best: tuple[float, list[int], list[int]] = (0.0, [], [])
+        best: tuple[float, list[int], list[int], list[float]] = (0.0, [], [], [])
         for trie in (self._request, self.global_trie):
             node, m = trie.match(state.tokens, self.max_pattern)
             if node is None:
@@ -78,12 +84,17 @@ class SuffixDrafter(Drafter):
             tree = self._grow(node, budget)
             if tree[0] > best[0]:
                 best = tree
-        _, tokens, parents = best
+        _, tokens, parents, scores = best
+        if self.budget is not None and tokens:  # a prefix of the best-first order is still a tree
+            n = self.budget.choose(torch.tensor(scores), 0)
+            tokens, parents = tokens[:n], parents[:n]
         if not tokens:
             return DraftTree.chain(state.root, [])
         return DraftTree.from_parents(torch.tensor([state.root, *tokens]), torch.tensor([-1, *parents]))
 
     def update(self, state: DecodeState, out: VerifyOutput) -> None:
+        if self.budget is not None:
+            self.budget.observe(len(out.result.path) - 1)
         self._index(state.tokens)
 
     # ---- internals --------------------------------------------------------------------------------------
@@ -113,11 +124,12 @@ class SuffixDrafter(Drafter):
             self.global_trie.start_sequence()
             self.global_trie.extend(output)
 
-    def _grow(self, start: Node, budget: int) -> tuple[float, list[int], list[int]]:
+    def _grow(self, start: Node, budget: int) -> tuple[float, list[int], list[int], list[float]]:
         """Best-first tree of at most ``budget`` nodes under ``start``: (score sum, tokens, parent indices
-        with 0 = the root)."""
+        with 0 = the root, scores), in selection order."""
         tokens: list[int] = []
         parents: list[int] = []
+        scores: list[float] = []
         total = 0.0
         heap: list[tuple[float, int, int, int, Node]] = []  # (-score, tie, parent index, token, node)
         tie = 0
@@ -134,6 +146,7 @@ class SuffixDrafter(Drafter):
             neg, _, parent, token, node = heapq.heappop(heap)
             tokens.append(token)
             parents.append(parent)
+            scores.append(-neg)
             total -= neg
             push(node, -neg, len(tokens))
-        return total, tokens, parents
+        return total, tokens, parents, scores

@@ -1,0 +1,96 @@
+"""What a verify pass costs on this machine: seconds of one target pass against the number of rows in it.
+
+Cost-aware drafting (``decoding.budget``) trades the tokens a bigger tree is expected to add against what
+its extra rows cost. That price is a property of the target *and* the machine (kernels, cores, memory
+bandwidth; see ``targets/row_kernels.py``), so it is measured through the ``Target`` contract itself:
+``new_cache`` + ``forward`` with a tree mask over a short context, the same call the engine makes. Any
+target gets a curve this way, and the curve of one target object is measured once per process.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import torch
+
+from draftlab.decoding.tree import DraftTree, ancestor_mask
+
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Seconds of one target pass of ``rows`` rows, linearly interpolated between measured row counts
+    (and extrapolated past the last from its last two points)."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.rows) < 2 or len(self.rows) != len(self.seconds) or list(self.rows) != sorted(set(self.rows)):
+            raise ValueError(f"need >= 2 increasing row counts with one time each, got {self.rows} / {self.seconds}")
+
+    def __call__(self, rows: int | float) -> float:
+        r, s = self.rows, self.seconds
+        i = min(max(bisect_left(r, rows), 1), len(r) - 1)  # segment [r[i-1], r[i]]
+        slope = (s[i] - s[i - 1]) / (r[i] - r[i - 1])
+        return max(s[i - 1] + slope * (rows - r[i - 1]), 0.0)
+
+    @property
+    def step(self) -> float:
+        """One decode row: the AR step, the unit the benchmarks print costs in."""
+        return self(1)
+
+    @classmethod
+    def linear(cls, step: float, per_row: float, max_rows: int = 64) -> VerifyCost:
+        """A synthetic curve ``step + per_row * (rows - 1)`` (tests, or a machine described by hand)."""
+        return cls((1, max_rows), (step, step + per_row * (max_rows - 1)))
+
+
+def measure_verify_cost(target, rows: tuple[int, ...] = ROWS, *, context: int = 128, reps: int = 5) -> VerifyCost:
+    """Median wall time of a verify-shaped pass of each row count over a ``context``-token prefix.
+
+    The pass is the engine's: tree rows at the positions after the prefix, an ancestor mask (a balanced
+    binary tree) over the committed prefix plus the tree, a scratch region of the cache that the next
+    pass overwrites. Row counts are measured in alternating order (a drift of the machine's speed spreads
+    over all of them rather than tilting the curve).
+    """
+    vocab = target.geometry.vocab_size
+    prompt = (torch.arange(context) * 7919 % max(vocab - 1, 1) + 1)[None]  # [1, context] arbitrary tokens
+    cache = target.new_cache(1, context + max(rows) + 1)
+    with torch.inference_mode():
+        target.forward(prompt, cache=cache)
+        cache.commit(context)
+        calls = []
+        for k in rows:
+            parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)])
+            tree = DraftTree.from_parents(torch.arange(k) * 31 % max(vocab - 1, 1) + 1, parents)
+            mask = torch.cat([torch.ones(k, context, dtype=torch.bool), ancestor_mask(tree.parents)], 1)
+            positions = context + tree.depth  # [k]
+            calls.append(lambda t=tree, m=mask, p=positions: target.forward(t.tokens[None], p, cache, m))
+        for call in calls:  # warm-up: first touch, kernel choice, buffers
+            call()
+        times = [[] for _ in rows]
+        for _ in range(reps):
+            for j, call in enumerate(calls):
+                t0 = time.perf_counter()
+                call()
+                times[j].append(time.perf_counter() - t0)
+    return VerifyCost(tuple(rows), tuple(sorted(t)[len(t) // 2] for t in times))
+
+
+_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def verify_cost(target) -> VerifyCost:
+    """This target's curve, measured on first request (a few seconds for a 135M model on 2 cores)."""
+    try:
+        return _MEASURED[target]
+    except KeyError:
+        cost = _MEASURED[target] = measure_verify_cost(target)
+        return cost
+    except TypeError:  # a target that cannot be weakly referenced: measure each time it is asked
+        return measure_verify_cost(target)
