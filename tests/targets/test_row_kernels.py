@@ -1,4 +1,4 @@
-"""The small-row matmul choice: measured per machine, cached, and numerically the same product."""
+"""The small-row matmul choice: measured per machine on whole passes, cached, numerically the same product."""
 
 from __future__ import annotations
 
@@ -22,16 +22,15 @@ def test_both_products_compute_the_same_linear():
             torch.testing.assert_close(RowKernels(mode).linear(x, w, b), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_table_picks_per_shape_and_row_count():
-    table = {"96x40": {str(r): (WEIGHT_MAJOR if r <= 8 else GEMM) for r in ROW_GRID}}
-    k = RowKernels("table", table)
-    w, other = torch.zeros(96, 40), torch.zeros(40, 96)
-    assert k.pick(w, 1) == GEMM  # one row: always the GEMV
-    assert k.pick(w, 2) == k.pick(w, 8) == WEIGHT_MAJOR
-    assert k.pick(w, 10) == WEIGHT_MAJOR  # between grid points: the largest measured count below
-    assert k.pick(w, 12) == GEMM and k.pick(w, 1000) == GEMM
-    assert k.pick(other, 4) == GEMM  # an unmeasured shape
-    assert "96x40" in k.describe()
+def test_table_picks_per_row_count():
+    k = RowKernels("table", {str(r): (WEIGHT_MAJOR if 4 <= r <= 8 else GEMM) for r in ROW_GRID})
+    assert k.pick(1) == GEMM  # one row: always the GEMV
+    assert k.pick(2) == k.pick(3) == GEMM and k.pick(4) == k.pick(8) == WEIGHT_MAJOR
+    assert k.pick(7) == WEIGHT_MAJOR  # between grid points: the largest measured count below
+    assert k.pick(12) == GEMM and k.pick(1000) == GEMM
+    assert "[4, 6, 8]" in k.describe()
+    with pytest.raises(ValueError, match="every row count"):
+        RowKernels("table", {"2": GEMM})
 
 
 def test_grad_mode_always_uses_f_linear(monkeypatch):
@@ -46,38 +45,47 @@ def test_grad_mode_always_uses_f_linear(monkeypatch):
     assert calls == [1]
 
 
-def test_auto_measures_once_per_machine_and_reuses_the_cache(tmp_path, monkeypatch):
-    measured = []
-    real = row_kernels.measure
+def test_measurement_keeps_the_faster_product_and_is_cached(tmp_path, monkeypatch):
+    """A fake pass whose weight-major product is slow below 8 rows and fast from 8: the table says so, the
+    second request reads the cache, a corrupt file or another thread count measures again."""
+    import time
 
-    def counting(shapes, dtype, **kw):
-        measured.append(shapes)
-        return real(shapes, dtype, rows=ROW_GRID, budget_s=1e-4)
+    passes = []
 
-    monkeypatch.setattr(row_kernels, "measure", counting)
-    weights = [torch.randn(64, 32), torch.randn(32, 64), torch.randn(64, 32)]
-    first = RowKernels.for_weights("auto", weights, cache_dir=tmp_path)
-    again = RowKernels.for_weights("auto", weights, cache_dir=tmp_path)
-    assert len(measured) == 1 and measured[0] == [(32, 64), (64, 32)]
-    assert first.table == again.table and set(first.table) == {"32x64", "64x32"}
-    assert all(c in (GEMM, WEIGHT_MAJOR) for choice in first.table.values() for c in choice.values())
-    # A corrupt cache file is measured again and rewritten, not trusted.
+    def run(rows, kernels):
+        passes.append(rows)
+        slow = (kernels.pick(rows) == WEIGHT_MAJOR) == (rows < 8)
+        time.sleep(0.004 if slow else 0.0)
+
+    ident = {"target": "fake", "dtype": "float32"}
+    first = RowKernels.measured(run, ident, cache_dir=tmp_path, reps=3)
+    assert first.table == {str(r): (GEMM if r < 8 else WEIGHT_MAJOR) for r in ROW_GRID}
+    n = len(passes)
+    again = RowKernels.measured(run, ident, cache_dir=tmp_path, reps=3)
+    assert len(passes) == n and again.table == first.table  # read, not measured
     (path,) = (tmp_path / "row_kernels").glob("*.json")
     path.write_text("{not json")
-    RowKernels.for_weights("auto", weights, cache_dir=tmp_path)
-    assert len(measured) == 2 and set(json.loads(path.read_text())["table"]) == {"32x64", "64x32"}
-    # Another thread count is another machine setting: its own entry.
+    RowKernels.measured(run, ident, cache_dir=tmp_path, reps=3)
+    assert len(passes) == 2 * n and json.loads(path.read_text())["table"] == first.table
+    RowKernels.measured(run, {**ident, "target": "other"}, cache_dir=tmp_path, reps=3)
+    assert len(passes) == 3 * n  # another target: its own entry
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
-    RowKernels.for_weights("auto", weights, cache_dir=tmp_path)
-    assert len(measured) == 3
+    RowKernels.measured(run, ident, cache_dir=tmp_path, reps=3)
+    assert len(passes) == 4 * n  # another thread count: another machine setting
 
 
-def test_forced_modes_do_not_measure(monkeypatch):
+def test_target_measures_on_first_use_and_forced_modes_do_not(monkeypatch, tmp_path):
+    from draftlab.targets.tiny import tiny_random_target
+
+    monkeypatch.setattr("draftlab.targets.hf.cache_root", lambda: tmp_path / "cache")
+    auto = tiny_random_target(row_kernels="auto")
+    assert auto.row_kernels.mode == "table" and set(auto.row_kernels.table) == {str(r) for r in ROW_GRID}
+    assert list((tmp_path / "cache" / "row_kernels").glob("*.json"))
     monkeypatch.setattr(row_kernels, "measure", lambda *a, **k: pytest.fail("measured"))
-    assert RowKernels.for_weights(GEMM, [torch.zeros(4, 4)]).mode == GEMM
-    assert RowKernels.for_weights(WEIGHT_MAJOR, [torch.zeros(4, 4)]).mode == WEIGHT_MAJOR
-    with pytest.raises(ValueError, match="row kernel mode"):
-        RowKernels.for_weights("fastest", [torch.zeros(4, 4)])
+    assert tiny_random_target(row_kernels=GEMM).row_kernels.mode == GEMM
+    assert tiny_random_target(row_kernels="auto").row_kernels.table == auto.row_kernels.table  # the cached table
+    with pytest.raises(ValueError, match="row_kernels"):
+        tiny_random_target(row_kernels="fastest")
 
 
 def test_target_outputs_agree_across_kernels(tiny_target):

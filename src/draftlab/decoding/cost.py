@@ -50,36 +50,44 @@ class VerifyCost:
         return cls((1, max_rows), (step, step + per_row * (max_rows - 1)))
 
 
-def measure_verify_cost(target, rows: tuple[int, ...] = ROWS, *, context: int = 128, reps: int = 5) -> VerifyCost:
-    """Median wall time of a verify-shaped pass of each row count over a ``context``-token prefix.
-
-    The pass is the engine's: tree rows at the positions after the prefix, an ancestor mask (a balanced
-    binary tree) over the committed prefix plus the tree, a scratch region of the cache that the next
-    pass overwrites. Row counts are measured in alternating order (a drift of the machine's speed spreads
-    over all of them rather than tilting the curve).
-    """
+def verify_passes(target, rows: tuple[int, ...], *, context: int = 128) -> list:
+    """One closure per row count, each running a verify-shaped pass of that many rows over a ``context``-token
+    prefix: tree rows at the positions after the prefix, an ancestor mask (a balanced binary tree) over the
+    committed prefix plus the tree, a scratch region of the cache that the next pass overwrites."""
     vocab = target.geometry.vocab_size
     prompt = (torch.arange(context) * 7919 % max(vocab - 1, 1) + 1)[None]  # [1, context] arbitrary tokens
     cache = target.new_cache(1, context + max(rows) + 1)
     with torch.inference_mode():
         target.forward(prompt, cache=cache)
-        cache.commit(context)
-        calls = []
-        for k in rows:
-            parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)])
-            tree = DraftTree.from_parents(torch.arange(k) * 31 % max(vocab - 1, 1) + 1, parents)
-            mask = torch.cat([torch.ones(k, context, dtype=torch.bool), ancestor_mask(tree.parents)], 1)
-            positions = context + tree.depth  # [k]
-            calls.append(lambda t=tree, m=mask, p=positions: target.forward(t.tokens[None], p, cache, m))
-        for call in calls:  # warm-up: first touch, kernel choice, buffers
+    cache.commit(context)
+    calls = []
+    for k in rows:
+        parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)])
+        tree = DraftTree.from_parents(torch.arange(k) * 31 % max(vocab - 1, 1) + 1, parents)
+        mask = torch.cat([torch.ones(k, context, dtype=torch.bool), ancestor_mask(tree.parents)], 1)
+        positions = context + tree.depth  # [k]
+        calls.append(lambda t=tree, m=mask, p=positions: target.forward(t.tokens[None], p, cache, m))
+    return calls
+
+
+def time_interleaved(calls: list, reps: int) -> list[float]:
+    """Median seconds of each call, the calls alternating in every repetition (a drift of the machine's
+    speed spreads over all of them rather than tilting the comparison); one warm-up round first."""
+    times = [[] for _ in calls]
+    with torch.inference_mode():
+        for call in calls:
             call()
-        times = [[] for _ in rows]
         for _ in range(reps):
             for j, call in enumerate(calls):
                 t0 = time.perf_counter()
                 call()
                 times[j].append(time.perf_counter() - t0)
-    return VerifyCost(tuple(rows), tuple(sorted(t)[len(t) // 2] for t in times))
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def measure_verify_cost(target, rows: tuple[int, ...] = ROWS, *, context: int = 128, reps: int = 5) -> VerifyCost:
+    """Median wall time of a verify-shaped pass (``verify_passes``) of each row count."""
+    return VerifyCost(tuple(rows), tuple(time_interleaved(verify_passes(target, rows, context=context), reps)))
 
 
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -15,7 +15,7 @@ view, for self-speculative drafters that run the target's own layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from draftlab.assets import cache_root
 from draftlab.decoding.cache import KVCache, PinnedKV, SparseView
 from draftlab.targets.base import Geometry, LayerConvention, LayerOutput, TargetOutput, default_aux_layer_ids
-from draftlab.targets.row_kernels import MODES, RowKernels
+from draftlab.targets.row_kernels import GEMM, MODES, ROW_GRID, RowKernels
 from draftlab.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -115,12 +115,26 @@ class HFTarget:
 
     @property
     def row_kernels(self) -> RowKernels:
-        """The small-row products of this target's matrices (measured on first use when ``auto``)."""
+        """The small-row product of verify passes (``auto``: measured on whole passes at first use, cached)."""
         if self._row_kernels is None:
-            weights = [self.model.lm_head.weight]
-            for w in self._layers or []:
-                weights += [w["wqkv"], w["wo"], w["wgu"], w["wd"]]
-            self._row_kernels = RowKernels.for_weights(self.row_kernels_mode, weights, cache_dir=cache_root())
+            mode = self.row_kernels_mode
+            if mode != "auto" or self.device.type != "cpu" or self._layers is None:
+                self._row_kernels = RowKernels(GEMM if mode == "auto" else mode)
+                return self._row_kernels
+            from draftlab.decoding.cost import verify_passes
+
+            self._row_kernels = RowKernels(GEMM)  # what the measurement's own prefill runs with
+            passes: dict[int, object] = {}
+
+            def run(rows: int, kernels: RowKernels) -> None:
+                if not passes:
+                    passes.update(zip(ROW_GRID, verify_passes(self, ROW_GRID, context=64)))
+                self._row_kernels = kernels
+                passes[rows]()
+
+            identity = {"target": self.name, "dtype": str(self.dtype), "geometry": asdict(self.geometry)}
+            measured = RowKernels.measured(run, identity, cache_dir=cache_root())
+            self._row_kernels = measured
         return self._row_kernels
 
     def _fuse_weights(self) -> list[dict]:
