@@ -18,6 +18,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from draftlab.decoding.budget import TreeBudget
+from draftlab.decoding.cost import VerifyCost
 from draftlab.decoding.drafter import Drafter
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
 from tests.decoding.conformance.checks import check_greedy_equals_ar, check_sampling_temperatures
@@ -155,23 +157,38 @@ def test_every_tree_building_method_offers_auto():
     assert {"eagle3", "confu", "suffix", "eagle3_suffix", "dflash"} <= set(AUTO_TREE)
 
 
+def _budgets(drafter) -> list:
+    """The TreeBudget objects of a drafter and its components (EAGLE-3 inside ConFu, the hybrid's parts)."""
+    parts = [drafter] + [getattr(drafter, a) for a in ("tree", "learned", "lookup") if hasattr(drafter, a)]
+    return [p.budget for p in parts if isinstance(getattr(p, "budget", None), TreeBudget)]
+
+
+@pytest.mark.parametrize("rows", ["cheap", "dear"])
 @pytest.mark.parametrize("name", AUTO_TREE)
-def test_auto_tree_greedy_equals_ar_and_sampling_follows_the_target(tiny_target, make_drafter, name):
+def test_auto_tree_greedy_equals_ar_and_sampling_follows_the_target(tiny_target, make_drafter, name, rows):
+    """``tree: auto`` with a given verify cost (a timed curve would make the trees depend on the machine's
+    load): free rows grow the capped tree wherever the draft gives a node any chance, which must be accepted;
+    rows that cost ten steps verify the root alone, which must still be lossless."""
     make_drafter(name)  # trains once (trainable methods)
     draft = _trained.get(name)
+    per_row = 0.0 if rows == "cheap" else 0.1
     sizes = []
 
     def fresh():
         drafter = _auto(name, draft)
-        budget = getattr(drafter, "budget", None) or getattr(getattr(drafter, "tree", None), "budget", None) or \
-            getattr(getattr(drafter, "learned", None), "budget", None)
-        assert budget is not None, "tree: auto built no TreeBudget"
-        sizes.append(budget.sizes)
+        budgets = _budgets(drafter)
+        assert budgets, "tree: auto built no TreeBudget"
+        for b in budgets:
+            b.cost, b.fixed_level, b._level_s = VerifyCost.linear(0.01, per_row), 0.0, 0.0
+            sizes.append(b.sizes)
         return drafter
 
     accepted = check_greedy_equals_ar(tiny_target, fresh, [TRAIN_PROMPTS[1], UNSEEN_PROMPT], 20)
+    if rows == "dear":
+        assert all(n == 0 for s in sizes for n in s), "rows at ten AR steps each should never pay"
+        return
     accepted += check_sampling_temperatures(tiny_target, fresh, [TRAIN_PROMPTS[1], TRAIN_PROMPTS[2]], n=40,
                                             seeds=range(3))
-    assert any(sizes), "no round was sized by the budget"
+    assert any(n > 0 for s in sizes for n in s), "no round verified a draft node"
     if spec(name).trainable:
         assert accepted > 0, "no draft token was ever accepted: the check proves little"
