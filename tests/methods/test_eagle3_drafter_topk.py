@@ -10,13 +10,11 @@
 
 from __future__ import annotations
 
-import heapq
-
 import pytest
 import torch
 
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
-from draftlab.decoding.tree import DraftTree, FrontierBatch, TopCandidates, build_dynamic_tree, children_lists
+from draftlab.decoding.tree import DraftTree, FrontierBatch, TopCandidates, _best_first, build_dynamic_tree
 from draftlab.methods.eagle3 import Eagle3Draft, Eagle3Drafter
 from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT, greedy
 from tests.methods.test_eagle3_drafter import trained  # noqa: F401  (the module-scoped trained draft)
@@ -177,15 +175,9 @@ def _reference_tree(root_token, expand, *, top_k, depth, total_tokens) -> DraftT
         ancestors[new, new] = True
         order = sorted(range(len(new_ids)), key=lambda j: -new_scores[j])[:top_k]
         frontier = [new_ids[j] for j in sorted(order)]
-    children = children_lists(cand_parents)
-    heap = [(-cand_scores[c], c) for c in children[0]]
-    heapq.heapify(heap)
-    selected = [0]
-    while heap and len(selected) < total_tokens + 1:
-        _, node = heapq.heappop(heap)
-        selected.append(node)
-        for child in children[node]:
-            heapq.heappush(heap, (-cand_scores[child], child))
+    # Selection by the shipped heap search: the tree under test selects by sorting instead (the heap is only
+    # its fallback), so the two paths still check each other.
+    selected = _best_first(cand_parents, cand_scores, total_tokens)
     selected.sort(key=lambda c: (cand_depth[c], c))
     new_index = {c: i for i, c in enumerate(selected)}
     return DraftTree.from_parents([cand_tokens[c] for c in selected],
