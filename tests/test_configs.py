@@ -86,6 +86,20 @@ def test_compose_and_instantiate(group, name, tmp_path, monkeypatch):
         if group == "data":
             convs, report = spec.load()
             assert convs and report.kept == len(convs)
+        else:
+            # What an experiment sets lands in blocks the stages instantiate: a knob indented into the wrong
+            # block (a drafter setting under trainer) fails here rather than minutes into a run.
+            trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False, devices=1,
+                                  accelerator="cpu", strategy="auto")
+            assert trainer is not None
+            from draftlab.methods.registry import MethodSpec
+            from draftlab.stages.evaluate import baseline_drafters
+
+            spec_m = MethodSpec(cfg.method)
+            spec_m.axes()
+            if spec_m.trainable:
+                assert callable(instantiate(cfg.method.drafter)) and callable(instantiate(cfg.method.module))
+            baseline_drafters(cfg)
     elif group == "bench":
         bench = instantiate(cfg.bench, _convert_="object")
         assert bench.load()

@@ -43,6 +43,37 @@ def test_eval_training_free_method_writes_answers_and_record(tmp_path, monkeypat
     assert "AVG" in (tmp_path / "eval_table.txt").read_text()
 
 
+def test_eval_baselines_answer_the_same_questions_beside_the_method(tmp_path, monkeypatch, shared_data):
+    from draftlab.stages.pipeline import run_pipeline
+
+    _env(monkeypatch, tmp_path, shared_data)
+    cfg = _cfg(tmp_path, "method=prompt_lookup", "+method@eval.baselines.sfx=suffix",
+               "+method@eval.baselines.pld3=prompt_lookup", "eval.baselines.pld3.drafter.num_draft_tokens=3",
+               experiment="tiny_base")
+    record = run_pipeline(cfg, stage="eval")
+    baselines = record["eval"]["baselines"]
+    assert set(baselines) == {"sfx", "pld3"} and baselines["sfx"]["label"] == "Suffix"
+    assert all(b["mismatches_vs_ar"] == 0 for b in baselines.values())
+    # Scored against the one AR run: the baseline throughput of every column is the method's.
+    for b in baselines.values():
+        assert b["columns"]["AVG"]["baseline_tps"] == record["eval"]["columns"]["AVG"]["baseline_tps"]
+    assert len(load_answers(tmp_path / "answers" / "sfx.jsonl")) == 2
+    draft3 = load_answers(tmp_path / "answers" / "pld3.jsonl")
+    assert max(max(a["choices"][0]["accept_lengths"]) for a in draft3) <= 4  # its own setting, 3 tokens + bonus
+    assert any(k.startswith("baselines/sfx/") and k.endswith("/AVG/speedup") for k in record["metrics"])
+    text = (tmp_path / "eval_comparison.txt").read_text()
+    assert "PLD" in text and "Suffix" in text and "best baseline" in text
+
+
+def test_a_trained_method_cannot_be_an_eval_baseline(tmp_path, monkeypatch, shared_data):
+    from draftlab.stages.pipeline import run_pipeline
+
+    _env(monkeypatch, tmp_path, shared_data)
+    cfg = _cfg(tmp_path, "method=prompt_lookup", "+method@eval.baselines.e3=eagle3", experiment="tiny_base")
+    with pytest.raises(ValueError, match="eval.baselines.e3.*training-free"):
+        run_pipeline(cfg, stage="eval")
+
+
 def test_record_names_the_commit_the_job_started_on(tmp_path, monkeypatch, shared_data):
     # A commit made while a long job runs must not be credited with its results.
     from draftlab import tracking

@@ -1,7 +1,9 @@
 """Benchmark runner: one method and the AR baseline on the same questions, in the same process.
 
 For every question the baseline and the method answer back to back (so both see the same machine
-state), each turn conditioned on that run's own earlier answers. Answers go to Spec-Bench answer files
+state), each turn conditioned on that run's own earlier answers; further drafters (``others``: the
+training-free baselines a table sets beside a learned draft) answer right after them and are scored
+against the same AR answers. Answers go to Spec-Bench answer files
 (``<out>/answers/baseline.jsonl``, ``<out>/answers/<method>.jsonl``); τ and SR are computed from those
 files exactly as Spec-Bench's ``speed.py`` does (``draftlab.eval.metrics``).
 """
@@ -9,6 +11,7 @@ files exactly as Spec-Bench's ``speed.py`` does (``draftlab.eval.metrics``).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ class EvalResult:
     mismatches_vs_ar: int | None  # questions whose output differs from AR (T=0 only; must be 0)
     mismatched_ids: list = field(default_factory=list)
     answer_files: dict[str, str] = field(default_factory=dict)
+    others: dict[str, EvalResult] = field(default_factory=dict)  # name -> the same scores of each other drafter
 
     def flat_metrics(self, prefix: str = "eval") -> dict[str, float]:
         """``eval/<bench>/<COLUMN>/{tau,speedup}`` (plus AVG and the mismatch count), W&B-style keys."""
@@ -56,15 +60,23 @@ def _limit_turns(q: Question, max_turns: int | None) -> Question:
 
 
 def run_benchmark(target, questions: list[Question], drafter, gen: GenerationConfig, out_dir: str | Path, *,
-                  bench: str, method: str, warmup: int = 1, max_turns: int | None = None) -> EvalResult:
-    """Answer ``questions`` with the AR baseline and with ``drafter``; write answers; score them."""
+                  bench: str, method: str, warmup: int = 1, max_turns: int | None = None,
+                  others: Mapping[str, Any] | None = None) -> EvalResult:
+    """Answer ``questions`` with the AR baseline, ``drafter`` and each of ``others`` (name -> drafter, each
+    with its own GenerationConfig scratch rows); write answers; score each against the AR answers."""
     out = Path(out_dir) / "answers"
     out.mkdir(parents=True, exist_ok=True)
+    others = dict(others or {})
+    clash = {"baseline", method} & set(others)
+    if clash:
+        raise ValueError(f"eval baselines may not be named {sorted(clash)}: the answer files would collide")
     base_path, method_path = out / "baseline.jsonl", out / f"{method}.jsonl"
+    other_paths = {name: out / f"{name}.jsonl" for name in others}
     # Answers go to ``<file>.partial`` and take their final name only once every question is answered
     # and the file reads back valid: a killed run leaves no answer file that looks finished. A re-run
     # starts over rather than resuming, so that every speed-up pairs two runs of one process.
-    partial = {final: final.with_name(final.name + ".partial") for final in (base_path, method_path)}
+    partial = {final: final.with_name(final.name + ".partial")
+               for final in (base_path, method_path, *other_paths.values())}
     for p in (*partial, *partial.values()):
         p.unlink(missing_ok=True)
     questions = [_limit_turns(q, max_turns) for q in questions]
@@ -75,25 +87,38 @@ def run_benchmark(target, questions: list[Question], drafter, gen: GenerationCon
         for _ in range(warmup):
             speculative_generate(target, prompt, None, warm)
             speculative_generate(target, prompt, drafter, warm)
-    for q in tqdm(questions, desc=f"{bench} / {method}", unit="question"):
+            for other in others.values():
+                speculative_generate(target, prompt, other[0], warm)
+    desc = " + ".join([method, *others])
+    for q in tqdm(questions, desc=f"{bench} / {desc}", unit="question"):
         base = answer_question(target, q, drafter=None, cfg=gen)
         write_answer(partial[base_path], answer_record(q, base, "baseline"))
         spec = answer_question(target, q, drafter=drafter, cfg=gen)
         write_answer(partial[method_path], answer_record(q, spec, method))
+        for name, (other, other_gen) in others.items():
+            write_answer(partial[other_paths[name]],
+                         answer_record(q, answer_question(target, q, drafter=other, cfg=other_gen), name))
     for final, tmp in partial.items():
         load_answers(tmp)
         os.replace(tmp, final)
-    base_answers, method_answers = load_answers(base_path), load_answers(method_path)
+    base_answers = load_answers(base_path)
+    result = _score(bench, method, gen, load_answers(method_path), base_answers, base_path, method_path)
+    result.others = {name: _score(bench, name, others[name][1], load_answers(path), base_answers, base_path, path)
+                     for name, path in other_paths.items()}
+    return result
+
+
+def _score(bench: str, method: str, gen: GenerationConfig, method_answers, base_answers, base_path: Path,
+           method_path: Path) -> EvalResult:
     metrics = speed_metrics(method_answers, base_answers, column_of=_column_or_none)
     mismatched = mismatched_questions(method_answers, base_answers) if gen.temperature == 0 else []
-    result = EvalResult(bench=bench, method=method, gen=gen, metrics=metrics,
-                        accept_histogram=accept_histogram(method_answers),
-                        mismatches_vs_ar=len(mismatched) if gen.temperature == 0 else None,
-                        mismatched_ids=list(mismatched),
-                        answer_files={"baseline": str(base_path), method: str(method_path)})
     if mismatched:
-        log.error("%d question(s) differ from AR at T=0: %s", len(mismatched), mismatched[:10])
-    return result
+        log.error("%s: %d question(s) differ from AR at T=0: %s", method, len(mismatched), mismatched[:10])
+    return EvalResult(bench=bench, method=method, gen=gen, metrics=metrics,
+                      accept_histogram=accept_histogram(method_answers),
+                      mismatches_vs_ar=len(mismatched) if gen.temperature == 0 else None,
+                      mismatched_ids=list(mismatched),
+                      answer_files={"baseline": str(base_path), method: str(method_path)})
 
 
 def _column_or_none(category: str) -> str | None:
@@ -116,3 +141,25 @@ def format_table(result: EvalResult) -> str:
     head = (f"{result.bench} | {result.method} | T={result.gen.temperature} | max_new_tokens={result.gen.max_new_tokens}")
     tail = "" if result.mismatches_vs_ar is None else f"\noutputs differing from AR: {result.mismatches_vs_ar}"
     return head + "\n" + "\n".join(lines) + tail
+
+
+def format_comparison(result: EvalResult, labels: Mapping[str, str] | None = None) -> str:
+    """The method beside every other drafter of the run: SR per column and AVG τ / SR, one row each, and
+    which training-free drafter did best on the average."""
+    labels = dict(labels or {})
+    runs = [result, *result.others.values()]
+    cols = list(result.metrics["columns"])
+    rows = [("", *cols, "AVG tau", "AVG SR")]
+    for r in runs:
+        rows.append((labels.get(r.method, r.method), *(f"{r.metrics['columns'][c]['speedup']:.2f}" for c in cols),
+                     f"{r.metrics['AVG']['tau']:.2f}", f"{r.metrics['AVG']['speedup']:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    text = f"SR per column vs AR, same questions and process ({result.bench}, T={result.gen.temperature})\n"
+    text += "\n".join(lines)
+    if result.others:
+        best = max(result.others.values(), key=lambda r: r.metrics["AVG"]["speedup"])
+        mine, theirs = result.metrics["AVG"]["speedup"], best.metrics["AVG"]["speedup"]
+        text += (f"\n{labels.get(result.method, result.method)}: SR {mine:.2f}; best baseline "
+                 f"{labels.get(best.method, best.method)}: SR {theirs:.2f} ({mine / theirs:.2f}x of it)")
+    return text

@@ -2,6 +2,11 @@
 
 The record stores the resolved method config (drafter included) and the method's declared ``axes``
 (``conf/method/<m>.yaml``), so tables compare runs by the settings each method actually has.
+
+``eval.baselines`` (name -> a method config, composed from ``conf/method`` by the defaults list, e.g.
+``- /method@eval.baselines.pld: prompt_lookup``) adds training-free drafters that answer the same questions
+in the same process and are scored against the same AR answers: what a learned draft buys over them is
+then printed side by side (``eval_comparison.txt``) and kept in the record (``eval.baselines``).
 """
 
 from __future__ import annotations
@@ -33,27 +38,57 @@ def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
 def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None = None
              ) -> tuple[dict[str, Any], dict[str, float]]:
     """Run ``cfg.bench`` with ``drafter`` and the AR baseline; returns (eval record, flat metrics)."""
-    from draftlab.eval.runner import format_table, run_benchmark
+    from draftlab.eval.runner import format_comparison, format_table, run_benchmark
 
     spec = MethodSpec(cfg.method)
     bench = instantiate(cfg.bench, _convert_="object")
     questions = bench.load()
     gen = generation_config(cfg, drafter)
+    others, labels = baseline_drafters(cfg)
+    labels[spec.name] = spec.label
     res = run_benchmark(target, questions, drafter, gen, run_dir, bench=bench.name, method=spec.name,
-                        warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"))
+                        warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"), others=others)
     table = format_table(res)
     print(table)
     atomic_write_text(run_dir / "eval_table.txt", table + "\n")
     metrics = res.flat_metrics()
+    baselines = {}
+    if res.others:
+        comparison = format_comparison(res, labels)
+        print(comparison)
+        atomic_write_text(run_dir / "eval_comparison.txt", comparison + "\n")
+        for name, r in res.others.items():
+            metrics.update(r.flat_metrics(prefix=f"baselines/{name}"))
+            baselines[name] = {"method": r.method, "label": labels[name],
+                               "columns": dict(r.metrics["columns"]) | {"AVG": r.metrics["AVG"]},
+                               "accept_lengths": {str(k): v for k, v in r.accept_histogram.items()},
+                               "mismatches_vs_ar": r.mismatches_vs_ar, "answer_files": r.answer_files}
     record = {"bench": bench.name, "method": spec.name, "label": spec.label, "temperature": gen.temperature,
               "axes": spec.axes(), "method_config": {k: v for k, v in spec.resolved().items() if k != "axes"},
               "max_new_tokens": gen.max_new_tokens,
               "columns": dict(res.metrics["columns"]) | {"AVG": res.metrics["AVG"]},
               "categories": res.metrics["categories"],
               "accept_lengths": {str(k): v for k, v in res.accept_histogram.items()},
-              "mismatches_vs_ar": res.mismatches_vs_ar, "answer_files": res.answer_files}
+              "mismatches_vs_ar": res.mismatches_vs_ar, "answer_files": res.answer_files,
+              "baselines": baselines}
     _log_to_wandb(loggers or [], res, metrics)
     return record, metrics
+
+
+def baseline_drafters(cfg: DictConfig) -> tuple[dict[str, tuple[Any, GenerationConfig]], dict[str, str]]:
+    """``eval.baselines`` as (name -> (drafter, its GenerationConfig)), (name -> label); training-free only."""
+    drafters, labels = {}, {}
+    for name, method_cfg in (cfg.eval.get("baselines") or {}).items():
+        if method_cfg is None:  # a baseline switched off from the command line (eval.baselines.pld=null)
+            continue
+        bspec = MethodSpec(method_cfg)
+        if bspec.trainable:
+            raise ValueError(f"eval.baselines.{name}: method '{bspec.name}' needs a trained draft; a baseline "
+                             "must be a training-free method (prompt_lookup, suffix, ...)")
+        drafter = bspec.build_drafter()
+        drafters[name] = (drafter, generation_config(cfg, drafter))
+        labels[name] = bspec.label
+    return drafters, labels
 
 
 def _log_to_wandb(loggers: list, res, metrics: dict[str, float]) -> None:

@@ -72,13 +72,15 @@ class ConFuModule(TTTHooks, L.LightningModule):
     max_con_lag  the ``[con]`` MoE key is the target feature ``lag`` positions before the anchor, lag
                  uniform in ``[1, max_con_lag]`` (at inference: the round's accept length).
     confu_lr     learning rate of the ConFu parameters (soft prompts, MoEs, ``fc_f``); None = the optimiser's.
-    ttt_length / step_weight / normalization / optimizer / schedule as ``Eagle3Module``.
+    ttt_length / ttt_curriculum / val_ttt_length / step_weight / normalization / optimizer / schedule as
+    ``Eagle3Module``.
     """
 
     def __init__(self, draft: ConFuDraft, target=None, *, num_anchors: int = 64, max_con_lag: int = 4,
                  confu_lr: float | None = None, ttt_length: int = 7, step_weight: float = 0.8,
                  normalization: str = "batch_tokens", optimizer=None, schedule=None,
-                 total_steps: int | None = None, naive_attention: bool = False):
+                 total_steps: int | None = None, ttt_curriculum=None, val_ttt_length: int | None = None,
+                 naive_attention: bool = False):
         super().__init__()
         if not isinstance(draft, ConFuDraft):
             raise TypeError(f"ConFuModule trains a ConFuDraft, got {type(draft).__name__}")
@@ -88,7 +90,7 @@ class ConFuModule(TTTHooks, L.LightningModule):
             raise ValueError(f"need num_anchors >= 1 and max_con_lag >= 1, got {num_anchors}, {max_con_lag}")
         self.draft = draft
         self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
-        self.ttt = TTTStep(ttt_length, step_weight, normalization, naive_attention)
+        self.ttt = TTTStep(ttt_length, step_weight, normalization, naive_attention, ttt_curriculum, val_ttt_length)
         self.metrics = TTTMetrics(step_weight)
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
         self.schedule_factory = schedule
@@ -114,7 +116,7 @@ class ConFuModule(TTTHooks, L.LightningModule):
         B, T = ids.shape
         cache = self.target.new_cache(B, T)
         taps = self.draft.tapped_layers(self.target)
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):  # the target in its own precision
             out = self.target.forward(ids, cache=cache, return_aux=True, aux_layer_ids=taps)
         cache.commit(T)
         aux, logits = out.aux_hidden, out.logits  # [B, T, 3*d_t], [B, T, V]

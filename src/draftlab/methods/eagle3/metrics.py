@@ -8,6 +8,7 @@ attention (future keys) and row mask.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,26 +18,65 @@ from draftlab.methods.eagle3.ttt import NORMALIZATIONS, TTTAttention, TTTOutput,
 _SUMMED = ("correct", "count", "cond_correct", "cond_count", "accept_sum", "loss_sum", "loss_denom")
 
 
+def _curriculum(phases) -> tuple[tuple[float, int], ...]:
+    """``[[until_fraction, length], ...]`` -> sorted ``((fraction, length), ...)``, checked."""
+    out = []
+    for i, phase in enumerate(phases or ()):
+        if len(phase) != 2:
+            raise ValueError(f"ttt_curriculum[{i}] must be [until_fraction, length], got {list(phase)}")
+        frac, length = float(phase[0]), int(phase[1])
+        if not 0.0 < frac <= 1.0 or length < 1:
+            raise ValueError(f"ttt_curriculum[{i}] = {list(phase)}: need 0 < until_fraction <= 1 and length >= 1")
+        out.append((frac, length))
+    return tuple(sorted(out))
+
+
 @dataclass
 class TTTStep:
     """``ttt_length`` unrolled steps, step k weighted ``step_weight ** k``, losses normalised by
-    ``normalization`` (``batch_tokens``: EAGLE/SpecForge; ``mask_sum``: speculators)."""
+    ``normalization`` (``batch_tokens``: EAGLE/SpecForge; ``mask_sum``: speculators).
+
+    ``curriculum`` ``[[until_fraction, length], ...]``: the optimiser steps before ``until_fraction`` of the
+    run unroll ``length`` steps (the first phase that applies), the rest ``ttt_length``: cheap short
+    unrolls over many tokens first, the full length last. ``val_ttt_length`` (default ``ttt_length``) is
+    the unroll of validation, so runs trained with different lengths are judged on the same chain.
+    ``TTTHooks`` sets the length of each step (``use``) before the module computes its loss.
+    """
 
     ttt_length: int = 7
     step_weight: float = 0.8
     normalization: str = "batch_tokens"
     naive_attention: bool = False
+    curriculum: Sequence[Sequence[float]] | None = None
+    val_ttt_length: int | None = None
 
     def __post_init__(self):
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got '{self.normalization}'")
         if self.ttt_length < 1:
             raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
+        if self.val_ttt_length is not None and self.val_ttt_length < 1:
+            raise ValueError(f"val_ttt_length must be >= 1, got {self.val_ttt_length}")
+        self.curriculum = _curriculum(self.curriculum)
+        self.active = self.ttt_length
+
+    def train_length(self, step: int, total_steps: int) -> int:
+        """Unroll length of optimiser step ``step`` (0-based) of ``total_steps``."""
+        progress = step / max(1, total_steps)
+        return next((length for frac, length in self.curriculum if progress < frac), self.ttt_length)
+
+    @property
+    def eval_length(self) -> int:
+        return self.val_ttt_length or self.ttt_length
+
+    def use(self, length: int) -> None:
+        """Unroll ``length`` steps in the following calls."""
+        self.active = int(length)
 
     def __call__(self, draft, input_ids: torch.Tensor, aux: torch.Tensor, logits: torch.Tensor,
                  loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, *,
                  attention: TTTAttention | None = None, row_mask: torch.Tensor | None = None) -> TTTOutput:
-        return ttt_forward(draft, input_ids, aux, logits, loss_mask, attention_mask, ttt_length=self.ttt_length,
+        return ttt_forward(draft, input_ids, aux, logits, loss_mask, attention_mask, ttt_length=self.active,
                            step_weight=self.step_weight, normalization=self.normalization,
                            naive=self.naive_attention, attention=attention, row_mask=row_mask)
 
@@ -103,14 +143,21 @@ class TTTMetrics:
 
 class TTTHooks:
     """The Lightning step hooks of a module trained by TTT: mix into a ``LightningModule`` that has
-    ``loss(batch) -> TTTOutput`` and a ``metrics: TTTMetrics`` (EAGLE-3 and ConFu do)."""
+    ``loss(batch) -> TTTOutput``, a ``ttt: TTTStep``, ``total_steps`` and a ``metrics: TTTMetrics`` (EAGLE-3
+    and ConFu do). Each training step unrolls the curriculum's length, validation ``val_ttt_length``."""
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.ttt.curriculum:
+            total = self.total_steps or int(self.trainer.estimated_stepping_batches)
+            self.ttt.use(self.ttt.train_length(int(self.global_step), total))
+        else:
+            self.ttt.use(self.ttt.ttt_length)
         out = self.loss(batch)
         self.metrics.log_train(self, out, batch["input_ids"].shape[0])
         return out.loss
 
     def on_validation_epoch_start(self) -> None:
+        self.ttt.use(self.ttt.eval_length)
         self.metrics.start_validation()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

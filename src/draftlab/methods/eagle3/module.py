@@ -43,6 +43,8 @@ class Eagle3Module(TTTHooks, L.LightningModule):
                    may be None when every batch is offline and ``target_lm_head`` is given.
     ttt_length     K unrolled steps; ``step_weight`` ** k weights step k; ``normalization`` is
                    ``batch_tokens`` (EAGLE/SpecForge) or ``mask_sum`` (speculators).
+    ttt_curriculum ``[[until_fraction, length], ...]``: shorter unrolls for the first fractions of the run
+                   (``metrics.TTTStep``); ``val_ttt_length`` the unroll of validation (default ``ttt_length``).
     optimizer      a partial ``torch.optim`` constructor (Hydra ``_partial_: true``); default AdamW(1e-4,
                    betas (0.9, 0.95), wd 0) as SpecForge/EAGLE.
     schedule       a partial LR schedule (``draftlab.training.schedule``); default warm-up 1.5 % + cosine.
@@ -50,12 +52,13 @@ class Eagle3Module(TTTHooks, L.LightningModule):
 
     def __init__(self, draft: Eagle3Draft, target=None, *, ttt_length: int = 7, step_weight: float = 0.8,
                  normalization: str = "batch_tokens", optimizer=None, schedule=None,
-                 total_steps: int | None = None, target_lm_head: torch.Tensor | None = None,
+                 total_steps: int | None = None, ttt_curriculum=None, val_ttt_length: int | None = None,
+                 target_lm_head: torch.Tensor | None = None,
                  naive_attention: bool = False):
         super().__init__()
         self.draft = draft
         self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
-        self.ttt = TTTStep(ttt_length, step_weight, normalization, naive_attention)
+        self.ttt = TTTStep(ttt_length, step_weight, normalization, naive_attention, ttt_curriculum, val_ttt_length)
         self.metrics = TTTMetrics(step_weight)
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
         self.schedule_factory = schedule
@@ -75,13 +78,17 @@ class Eagle3Module(TTTHooks, L.LightningModule):
             if self.target_lm_head is None:
                 raise RuntimeError("offline batch but no target LM head: pass target or target_lm_head")
             last = batch["last_hidden"].to(self.target_lm_head.dtype)  # [B, T, d]
-            return batch["aux_hidden"], last @ self.target_lm_head.T  # [B, T, V]
+            # The target's distribution stays in its own precision under bf16 autocast (trainer.precision):
+            # only the draft's passes are mixed.
+            with torch.autocast(last.device.type, enabled=False):
+                return batch["aux_hidden"], last @ self.target_lm_head.T  # [B, T, V]
         if self.target is None:
             raise RuntimeError("online batch (tokens only) but the module has no target")
         with torch.no_grad():
             # Right padding + causal attention: padded rows never reach real ones, as in the offline store.
-            out = self.target.forward(batch["input_ids"], return_aux=True,
-                                      aux_layer_ids=self.draft.tapped_layers(self.target))
+            with torch.autocast(batch["input_ids"].device.type, enabled=False):
+                out = self.target.forward(batch["input_ids"], return_aux=True,
+                                          aux_layer_ids=self.draft.tapped_layers(self.target))
         return out.aux_hidden, out.logits
 
     def loss(self, batch: dict[str, torch.Tensor]):
