@@ -70,7 +70,7 @@ def test_a_trained_method_cannot_be_an_eval_baseline(tmp_path, monkeypatch, shar
 
     _env(monkeypatch, tmp_path, shared_data)
     cfg = _cfg(tmp_path, "method=prompt_lookup", "+method@eval.baselines.e3=eagle3", experiment="tiny_base")
-    with pytest.raises(ValueError, match="eval.baselines.e3.*training-free"):
+    with pytest.raises(ValueError, match="eval.baselines.e3.*trainable: false"):
         run_pipeline(cfg, stage="eval")
 
 

@@ -4,7 +4,7 @@ The record stores the resolved method config (drafter included) and the method's
 (``conf/method/<m>.yaml``), so tables compare runs by the settings each method actually has.
 
 ``eval.baselines`` (name -> a method config, composed from ``conf/method`` by the defaults list, e.g.
-``- /method@eval.baselines.pld: prompt_lookup``) adds training-free drafters that answer the same questions
+``- /method@eval.baselines.<name>: <method>``) adds training-free drafters that answer the same questions
 in the same process and are scored against the same AR answers: what a learned draft buys over them is
 then printed side by side (``eval_comparison.txt``) and kept in the record (``eval.baselines``).
 """
@@ -84,7 +84,7 @@ def baseline_drafters(cfg: DictConfig) -> tuple[dict[str, tuple[Any, GenerationC
         bspec = MethodSpec(method_cfg)
         if bspec.trainable:
             raise ValueError(f"eval.baselines.{name}: method '{bspec.name}' needs a trained draft; a baseline "
-                             "must be a training-free method (prompt_lookup, suffix, ...)")
+                             "must be a method with trainable: false")
         drafter = bspec.build_drafter()
         drafters[name] = (drafter, generation_config(cfg, drafter))
         labels[name] = bspec.label
