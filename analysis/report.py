@@ -352,7 +352,7 @@ def build_report(
         keys: list[str] = []
         for _, r in trained:
             for h in r.history:
-                keys += [k for k, v in h.items() if k != "step" and k not in keys and _is_plottable(v)]
+                keys += [k for k, v in h.items() if k not in ("step", "tokens") and k not in keys and _is_plottable(v)]
         if train_curves is not None:
             keys = [k for k in train_curves if k in keys]
         for key in keys:
@@ -490,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     names = _source_names(args.paths, args.names)
     try:
-        sources = [(name, load_records(path)) for name, path in zip(names, args.paths)]
+        sources = [(name, load_records(path, baselines=False)) for name, path in zip(names, args.paths)]
     except RecordError as exc:
         print(f"draftlab-report: error: {exc}", file=sys.stderr)
         return 2

@@ -12,10 +12,14 @@ multirun sweep being ``<sweep>/<job_num>/record.json``)::
               "axes": {"nodes": int, "ttt_length": int, ...},    # declared by conf/method/<m>.yaml
               "method_config": {...},                           # the resolved method config (drafter included)
               "columns": {"WRIT": {"tau", "speedup", "n_questions", "method_tps", "baseline_tps"}, ..., "AVG": {...}},
-              "accept_lengths": {"1": count, ...}, "mismatches_vs_ar": int | null} | null,
+              "accept_lengths": {"1": count, ...}, "mismatches_vs_ar": int | null,
+              "baselines": {name: {"method", "label", "axes", "columns", "categories", "accept_lengths",
+                                   "mismatches_vs_ar"}}} | null,      # drafters run beside it (optional)
      "train": {"history": [{"step": int, "<metric>": float, ...}], "best": {...}} | null}
 
-Only ``schema``, ``kind`` and ``run_name`` are required; every other key may be absent or null. When an
+Each entry of ``eval.baselines`` answered the same questions in the same process against the same AR
+run; :func:`load_records` returns it as a record of its own (:func:`baseline_records`), so tables hold
+those rows beside the method's. Only ``schema``, ``kind`` and ``run_name`` are required; every other key may be absent or null. When an
 eval record has no ``eval.columns``, the columns are rebuilt from the flat ``metrics`` keys
 ``eval/<bench>/<column>/<name>`` (a column name may itself contain a slash, as ``M/R`` does).
 """
@@ -266,12 +270,31 @@ def find_record_files(path: str | Path) -> list[Path]:
     return sorted(path.rglob(RECORD_FILE), key=_natural_key)
 
 
-def load_records(*paths: str | Path, kind: str | None = None) -> list[Record]:
+def baseline_records(record: Record) -> list[Record]:
+    """The drafters of ``record.eval.baselines`` as eval records of their own: the run's identity, bench
+    and temperature, the baseline's label, axes and cells (and no flat metrics, which are the method's)."""
+    out = []
+    for name, b in (record.eval.get("baselines") or {}).items():
+        if not isinstance(b, dict):
+            raise RecordError(f"{record.path}: eval.baselines.{name} must be an object, got {type(b).__name__}")
+        ev = {"bench": record.bench, "temperature": record.temperature,
+              "max_new_tokens": record.eval.get("max_new_tokens"), "method": b.get("method"),
+              "label": b.get("label") or name, "axes": b.get("axes") or {}, "columns": b.get("columns") or {},
+              "categories": b.get("categories") or {}, "accept_lengths": b.get("accept_lengths") or {},
+              "mismatches_vs_ar": b.get("mismatches_vs_ar"), "baseline_of": record.label}
+        data = {k: v for k, v in record.data.items() if k not in ("eval", "metrics", "train")}
+        data.update(run_name=f"{record.run_name}/{name}", eval=ev, metrics={})
+        out.append(Record(path=record.path, data=data))
+    return out
+
+
+def load_records(*paths: str | Path, kind: str | None = None, baselines: bool = True) -> list[Record]:
     """All run records under ``paths`` (files or directories, searched recursively), each file once.
 
     Order follows ``paths``, then natural path order within a directory. ``kind`` keeps only ``"eval"``
-    or ``"train"`` records. A directory with no records is not an error (a sweep may still be running);
-    a path that does not exist is.
+    or ``"train"`` records. ``baselines``: each record's ``eval.baselines`` follow it as records of their
+    own. A directory with no records is not an error (a sweep may still be running); a path that does
+    not exist is.
     """
     seen: set[Path] = set()
     out: list[Record] = []
@@ -284,6 +307,8 @@ def load_records(*paths: str | Path, kind: str | None = None) -> list[Record]:
             record = read_record(f)
             if record is not None and (kind is None or record.kind == kind):
                 out.append(record)
+                if baselines:
+                    out.extend(baseline_records(record))
     return out
 
 

@@ -300,6 +300,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", type=int, default=2, help="decimals printed (default 2)")
     p.add_argument("--duplicates", choices=("mean", "error"), default="mean",
                    help="rows with the same key: average them (default) or fail")
+    p.add_argument("--no-baselines", dest="baselines", action="store_false",
+                   help="leave out the drafters a run evaluated beside its method (eval.baselines)")
     return p
 
 
@@ -307,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ``draftlab-table``."""
     args = _parser().parse_args(argv)
     try:
-        records = load_records(*args.paths)
+        records = load_records(*args.paths, baselines=args.baselines)
         table = build_table(records, args.layout, labels=args.labels, bench=args.bench, target=args.target,
                             nodes=args.nodes, temperatures=args.temperatures, duplicates=args.duplicates,
                             precision=args.precision)

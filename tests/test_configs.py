@@ -93,13 +93,18 @@ def test_compose_and_instantiate(group, name, tmp_path, monkeypatch):
                                   accelerator="cpu", strategy="auto")
             assert trainer is not None
             from draftlab.methods.registry import MethodSpec
-            from draftlab.stages.evaluate import baseline_drafters
+            from draftlab.stages.evaluate import baseline_specs
 
             spec_m = MethodSpec(cfg.method)
             spec_m.axes()
             if spec_m.trainable:
                 assert callable(instantiate(cfg.method.drafter)) and callable(instantiate(cfg.method.module))
-            baseline_drafters(cfg)
+            for bspec in baseline_specs(cfg, has_draft=spec_m.trainable).values():
+                bspec.axes()
+                if bspec.trainable:  # drafts from the run's draft: its factory must compose
+                    assert callable(instantiate(bspec.cfg.drafter))
+                else:
+                    bspec.build_drafter()
     elif group == "bench":
         bench = instantiate(cfg.bench, _convert_="object")
         assert bench.load()

@@ -65,12 +65,38 @@ def test_eval_baselines_answer_the_same_questions_beside_the_method(tmp_path, mo
     assert "PLD" in text and "Suffix" in text and "best baseline" in text
 
 
-def test_a_trained_method_cannot_be_an_eval_baseline(tmp_path, monkeypatch, shared_data):
+def test_a_training_free_run_cannot_have_a_trained_baseline(tmp_path, monkeypatch, shared_data):
     from draftlab.stages.pipeline import run_pipeline
 
     _env(monkeypatch, tmp_path, shared_data)
     cfg = _cfg(tmp_path, "method=prompt_lookup", "+method@eval.baselines.e3=eagle3", experiment="tiny_base")
-    with pytest.raises(ValueError, match="eval.baselines.e3.*trainable: false"):
+    with pytest.raises(ValueError, match="eval.baselines.e3.*has none.*trainable: false"):
+        run_pipeline(cfg, stage="eval")
+
+
+def test_a_trained_baseline_drafts_from_the_runs_draft(tmp_path, monkeypatch, shared_data, tiny_target):
+    # The hybrid (EAGLE-3 tree + suffix candidates) reads the EAGLE-3 artifact: it answers beside EAGLE-3
+    # from the same draft weights, losslessly, in the same process.
+    from draftlab.export.native import save_native
+    from draftlab.methods.eagle3 import Eagle3Draft
+    from draftlab.stages.pipeline import run_pipeline
+
+    _env(monkeypatch, tmp_path, shared_data)
+    torch.manual_seed(0)
+    draft_dir = save_native(Eagle3Draft.from_target(tiny_target, draft_vocab_size=512), tmp_path / "draft")
+    record = run_pipeline(_cfg(tmp_path, "method=eagle3", f"draft_path={draft_dir}",
+                               "+method@eval.baselines.hybrid=eagle3_suffix", "+method@eval.baselines.n2=eagle3",
+                               "eval.baselines.n2.drafter.total_tokens=2"), stage="eval")
+    hybrid, n2 = record["eval"]["baselines"]["hybrid"], record["eval"]["baselines"]["n2"]
+    assert hybrid["label"] == "EAGLE-3 + suffix" and hybrid["mismatches_vs_ar"] == 0 == n2["mismatches_vs_ar"]
+    assert len(load_answers(tmp_path / "answers" / "hybrid.jsonl")) == 2
+    # The same method at another tree size: its own axes in the record, its own row in the comparison.
+    assert n2["axes"]["nodes"] == 2 and record["eval"]["axes"]["nodes"] != 2 and n2["categories"]
+    text = (tmp_path / "eval_comparison.txt").read_text()
+    assert "EAGLE-3 [eagle3]" in text and "EAGLE-3 [n2]" in text
+    # A trained method with another artifact format cannot read this draft: refused before any decoding.
+    cfg = _cfg(tmp_path, "method=eagle3", f"draft_path={draft_dir}", "+method@eval.baselines.cf=confu")
+    with pytest.raises(ValueError, match="eval.baselines.cf.*'confu'.*artifact"):
         run_pipeline(cfg, stage="eval")
 
 
@@ -187,7 +213,9 @@ def test_history_rows_hold_each_epochs_own_validation(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    data = torch.utils.data.DataLoader(torch.zeros(3, 1), batch_size=1)
+    # Batches as the shared data modules yield them: the history counts their non-padding tokens.
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    data = torch.utils.data.DataLoader([{"attention_mask": m} for m in mask], batch_size=1)
     history = HistoryCallback(every=100)
     trainer = L.Trainer(max_epochs=3, callbacks=[history], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -195,6 +223,10 @@ def test_history_rows_hold_each_epochs_own_validation(tmp_path):
     trainer.fit(Tiny(), train_dataloaders=data, val_dataloaders=data)
     val = [r for r in history.rows if "val/epoch_seen" in r]
     assert [(r["epoch"], r["step"], r["val/epoch_seen"]) for r in val] == [(0, 3, 0.0), (1, 6, 1.0), (2, 9, 2.0)]
+    assert [r["tokens"] for r in val] == [6, 12, 18]
+    resumed = HistoryCallback(every=100)
+    resumed.load_state_dict(history.state_dict())
+    assert resumed.tokens == 18 and resumed.rows == history.rows
 
 
 def test_tapped_layers_are_a_method_setting_outside_the_regeneration_key(tmp_path, monkeypatch, shared_data):

@@ -15,17 +15,22 @@
 set -euo pipefail
 ONLY=${ONLY:-}   # ONLY="k7_bf16_target k2_bf16_target": just those rows
 OUT=${1:-runs/train_ablation}
+# The recipe's settings at the time of these rows are pinned (TTT-7, fp32, 5 % held out, one validation
+# per epoch); each row then changes its own levers.
 common=(experiment=smollm2_eagle3 regen.enabled=false data.sources.0.limit=400 data.sources.1.limit=300
-        data.max_length=1024 eval.enabled=false method.module.val_ttt_length=7)
+        data.max_length=1024 eval.enabled=false method.module.val_ttt_length=7 method.data.val_fraction=0.05
+        trainer.val_check_interval=1.0)
 row() {  # row <name> <epochs> <batches per epoch> <overrides...>
   local name=$1 epochs=$2 batches=$3; shift 3
   if [[ -n "$ONLY" && " $ONLY " != *" $name "* ]]; then return; fi
   draftlab-train "${common[@]}" task_name="ablation_$name" trainer.max_epochs="$epochs" \
     +trainer.limit_train_batches="$batches" hydra.run.dir="$OUT/$name" "$@" || echo "row $name FAILED" >&2
 }
-row k7_fp32_random 1 67                                                                     # the recipe's choices
-row k7_fp32_target 1 67  method.draft.init.lm_head=target                                   # + LM head from the target
-row k7_bf16_target 1 98  method.draft.init.lm_head=target trainer.precision=bf16-mixed      # + bf16 autocast
+fp32=(method.module.ttt_length=7 trainer.precision=32-true)
+bf16=(method.module.ttt_length=7 trainer.precision=bf16-mixed)
+row k7_fp32_random 1 67 "${fp32[@]}"                                                        # the recipe's old choices
+row k7_fp32_target 1 67 "${fp32[@]}" method.draft.init.lm_head=target                       # + LM head from the target
+row k7_bf16_target 1 98 "${bf16[@]}" method.draft.init.lm_head=target                       # + bf16 autocast
 row k2_bf16_target 2 139 method.draft.init.lm_head=target method.module.ttt_length=2 trainer.precision=bf16-mixed
-row curriculum_bf16_target 2 90 method.draft.init.lm_head=target trainer.precision=bf16-mixed \
+row curriculum_bf16_target 2 90 "${bf16[@]}" method.draft.init.lm_head=target \
     'method.module.ttt_curriculum=[[0.7,2]]'                                               # TTT-2 for 70 %, then TTT-7

@@ -109,3 +109,25 @@ def test_axes_come_from_the_record_and_old_records_still_read(tmp_path):
     old["eval"].update(draft_nodes=8, ttt_length=7)  # the pre-axes record layout
     rec = Record(path=tmp_path / "record.json", data=old)
     assert (rec.draft_nodes, rec.ttt_length) == (8, 7)
+
+
+def test_baselines_evaluated_beside_a_method_load_as_records_of_their_own(tmp_path):
+    rec = make_record(label="EAGLE-3", nodes=32, temperature=0.7, cols=columns(1.3, 0.9), run_name="grid-1")
+    rec["metrics"] = {"eval/specbench/AVG/speedup": 0.9}
+    rec["eval"]["baselines"] = {
+        "pld": {"method": "prompt_lookup", "label": "PLD", "axes": {"draft_tokens": 8},
+                "columns": columns(1.2, 1.1), "accept_lengths": {"1": 5, "3": 2}, "mismatches_vs_ar": None},
+        "hybrid": {"method": "eagle3", "label": "EAGLE-3 + suffix", "columns": columns(1.4, 1.0)}}
+    write_sweep(tmp_path, [rec])
+    main, pld, hybrid = load_records(tmp_path)
+    assert [r.label for r in (main, pld, hybrid)] == ["EAGLE-3", "PLD", "EAGLE-3 + suffix"]
+    # The run's bench, temperature and identity; the baseline's own cells, axes and histogram.
+    assert pld.temperature == 0.7 and pld.bench == "specbench" and pld.run_name == "grid-1/pld"
+    assert pld.value("WRIT", "speedup") == 1.1 and main.value("WRIT", "speedup") == 0.9
+    assert pld.axes == {"draft_tokens": 8} and pld.draft_nodes is None and pld.accept_lengths == {1: 5, 3: 2}
+    assert pld.metrics == {} and hybrid.axes == {} and hybrid.value("AVG", "tau") == main.value("AVG", "tau") + 0.1
+    assert [r.label for r in load_records(tmp_path, baselines=False)] == ["EAGLE-3"]
+    rec["eval"]["baselines"]["bad"] = [1, 2]
+    (tmp_path / "0" / "record.json").write_text(json.dumps(rec))
+    with pytest.raises(RecordError, match="record.json: eval.baselines.bad must be an object"):
+        load_records(tmp_path)

@@ -134,3 +134,16 @@ def test_methods_layout_keeps_each_methods_own_axes(tmp_path, capsys):
     assert "1.20" in rows[2] and "1.10" in rows[1]  # WRIT τ of block 8 / block 4, unaveraged
     merged = build_table(load_records(root, kind="eval"), "table1")
     assert sum(r.keys[0] == "DFlash" for r in merged.rows) == 1  # why the layout exists
+
+
+def test_table_rows_include_the_baselines_a_run_evaluated(tmp_path, capsys):
+    from tests.analysis.synthetic import columns, make_record, write_sweep
+
+    rec = make_record(label="EAGLE-3", nodes=32, temperature=0.0, cols=columns(1.3, 0.9))
+    rec["eval"]["baselines"] = {"pld": {"method": "prompt_lookup", "label": "PLD", "columns": columns(1.2, 1.1)}}
+    write_sweep(tmp_path / "grid", [rec])
+    assert main([str(tmp_path / "grid"), "--layout", "methods"]) == 0
+    out = capsys.readouterr().out
+    assert "| EAGLE-3 |" in out and "| PLD |" in out
+    assert main([str(tmp_path / "grid"), "--layout", "methods", "--no-baselines"]) == 0
+    assert "| PLD |" not in capsys.readouterr().out

@@ -150,8 +150,11 @@ def format_comparison(result: EvalResult, labels: Mapping[str, str] | None = Non
     runs = [result, *result.others.values()]
     cols = list(result.metrics["columns"])
     rows = [("", *cols, "AVG tau", "AVG SR")]
-    for r in runs:
-        rows.append((labels.get(r.method, r.method), *(f"{r.metrics['columns'][c]['speedup']:.2f}" for c in cols),
+    names = [labels.get(r.method, r.method) for r in runs]
+    # One method at several settings (tree sizes as baselines) shares a label: name each row's setting too.
+    names = [f"{n} [{r.method}]" if names.count(n) > 1 else n for n, r in zip(names, runs)]
+    for r, name in zip(runs, names):
+        rows.append((name, *(f"{r.metrics['columns'][c]['speedup']:.2f}" for c in cols),
                      f"{r.metrics['AVG']['tau']:.2f}", f"{r.metrics['AVG']['speedup']:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]

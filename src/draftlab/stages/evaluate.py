@@ -4,9 +4,11 @@ The record stores the resolved method config (drafter included) and the method's
 (``conf/method/<m>.yaml``), so tables compare runs by the settings each method actually has.
 
 ``eval.baselines`` (name -> a method config, composed from ``conf/method`` by the defaults list, e.g.
-``- /method@eval.baselines.<name>: <method>``) adds training-free drafters that answer the same questions
-in the same process and are scored against the same AR answers: what a learned draft buys over them is
-then printed side by side (``eval_comparison.txt``) and kept in the record (``eval.baselines``).
+``- /method@eval.baselines.<name>: <method>``) adds drafters that answer the same questions in the same
+process and are scored against the same AR answers: what a learned draft buys over them is then printed
+side by side (``eval_comparison.txt``) and kept in the record (``eval.baselines``). A training-free baseline
+builds its own drafter; a trainable one drafts from this run's draft, so it must read the main method's
+artifact format (the same ``artifact`` block), e.g. a learned draft with lookup candidates merged in.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from draftlab import tracking
 from draftlab.decoding.engine import GenerationConfig
@@ -35,16 +37,18 @@ def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
     return gen
 
 
-def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None = None
+def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None = None, draft=None
              ) -> tuple[dict[str, Any], dict[str, float]]:
-    """Run ``cfg.bench`` with ``drafter`` and the AR baseline; returns (eval record, flat metrics)."""
+    """Run ``cfg.bench`` with ``drafter`` and the AR baseline; returns (eval record, flat metrics).
+    ``draft``: the run's trained draft (None for a training-free method), for trainable baselines."""
     from draftlab.eval.runner import format_comparison, format_table, run_benchmark
 
     spec = MethodSpec(cfg.method)
     bench = instantiate(cfg.bench, _convert_="object")
     questions = bench.load()
     gen = generation_config(cfg, drafter)
-    others, labels = baseline_drafters(cfg)
+    others, labels = baseline_drafters(cfg, draft)
+    baseline_axes = {n: b.axes() for n, b in baseline_specs(cfg, has_draft=draft is not None).items()}
     labels[spec.name] = spec.label
     res = run_benchmark(target, questions, drafter, gen, run_dir, bench=bench.name, method=spec.name,
                         warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"), others=others)
@@ -59,8 +63,9 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
         atomic_write_text(run_dir / "eval_comparison.txt", comparison + "\n")
         for name, r in res.others.items():
             metrics.update(r.flat_metrics(prefix=f"baselines/{name}"))
-            baselines[name] = {"method": r.method, "label": labels[name],
+            baselines[name] = {"method": r.method, "label": labels[name], "axes": baseline_axes[name],
                                "columns": dict(r.metrics["columns"]) | {"AVG": r.metrics["AVG"]},
+                               "categories": r.metrics["categories"],
                                "accept_lengths": {str(k): v for k, v in r.accept_histogram.items()},
                                "mismatches_vs_ar": r.mismatches_vs_ar, "answer_files": r.answer_files}
     record = {"bench": bench.name, "method": spec.name, "label": spec.label, "temperature": gen.temperature,
@@ -75,17 +80,35 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
     return record, metrics
 
 
-def baseline_drafters(cfg: DictConfig) -> tuple[dict[str, tuple[Any, GenerationConfig]], dict[str, str]]:
-    """``eval.baselines`` as (name -> (drafter, its GenerationConfig)), (name -> label); training-free only."""
-    drafters, labels = {}, {}
+def baseline_specs(cfg: DictConfig, *, has_draft: bool) -> dict[str, MethodSpec]:
+    """``eval.baselines`` as (name -> MethodSpec), checked before anything decodes: a trainable baseline
+    needs the run to have a draft (``has_draft``) in the artifact format it reads."""
+    main = MethodSpec(cfg.method)
+    specs = {}
     for name, method_cfg in (cfg.eval.get("baselines") or {}).items():
         if method_cfg is None:  # a baseline switched off from the command line (eval.baselines.pld=null)
             continue
         bspec = MethodSpec(method_cfg)
         if bspec.trainable:
-            raise ValueError(f"eval.baselines.{name}: method '{bspec.name}' needs a trained draft; a baseline "
-                             "must be a method with trainable: false")
-        drafter = bspec.build_drafter()
+            if not has_draft:
+                raise ValueError(f"eval.baselines.{name}: method '{bspec.name}' needs a trained draft and method "
+                                 f"'{main.name}' has none; a baseline of a training-free run must be a method "
+                                 "with trainable: false")
+            if OmegaConf.to_container(bspec.cfg.get("artifact"), resolve=True) != \
+                    OmegaConf.to_container(main.cfg.get("artifact"), resolve=True):
+                raise ValueError(f"eval.baselines.{name}: method '{bspec.name}' reads another artifact format than "
+                                 f"method '{main.name}' (their 'artifact' blocks differ), so it cannot draft from "
+                                 "this run's draft")
+        specs[str(name)] = bspec
+    return specs
+
+
+def baseline_drafters(cfg: DictConfig, draft=None) -> tuple[dict[str, tuple[Any, GenerationConfig]], dict[str, str]]:
+    """``eval.baselines`` as (name -> (drafter, its GenerationConfig)), (name -> label). A trainable
+    baseline drafts from ``draft``, the run's trained draft."""
+    drafters, labels = {}, {}
+    for name, bspec in baseline_specs(cfg, has_draft=draft is not None).items():
+        drafter = bspec.build_drafter(draft) if bspec.trainable else bspec.build_drafter()
         drafters[name] = (drafter, generation_config(cfg, drafter))
         labels[name] = bspec.label
     return drafters, labels

@@ -62,11 +62,11 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
             draft = spec.load(draft_dir, target).to(target.dtype).eval()
             drafter = spec.build_drafter(draft)
         else:
-            drafter = spec.build_drafter()
+            draft, drafter = None, spec.build_drafter()
 
         eval_record = None
         if cfg.eval.enabled:
-            eval_record, eval_metrics = evaluate(cfg, target, drafter, run_dir, loggers)
+            eval_record, eval_metrics = evaluate(cfg, target, drafter, run_dir, loggers, draft=draft)
             metrics.update(eval_metrics)
         record = tracking.build_record(cfg, kind=stage, identity=identity, metrics=metrics, artifacts=artifacts,
                                        eval_result=eval_record, train=train_info, ctx=ctx, git=git)

@@ -48,19 +48,28 @@ class TrainResult:
 
 
 class HistoryCallback(L.Callback):
-    """Collects logged metrics into a list of dicts (training curves for the record and the report)."""
+    """Collects logged metrics into a list of dicts (training curves for the record and the report).
+
+    Every row also carries ``tokens``: the training tokens seen so far (non-padding positions of the
+    ``attention_mask`` of every training batch; the shared data modules all yield one), so curves can be
+    drawn against data rather than steps, across runs of different batch sizes.
+    """
 
     def __init__(self, every: int):
         self.every = max(1, every)
         self.rows: list[dict[str, Any]] = []
+        self.tokens = 0
 
     def _row(self, trainer, prefix: str) -> None:
-        row = {"step": int(trainer.global_step), "epoch": int(trainer.current_epoch)}
+        row = {"step": int(trainer.global_step), "epoch": int(trainer.current_epoch), "tokens": self.tokens}
         row.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)})
-        if len(row) > 2:
+        if len(row) > 3:
             self.rows.append(row)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        if mask is not None:
+            self.tokens += int(mask.sum())
         if trainer.global_step % self.every == 0:
             self._row(trainer, "train/")
 
@@ -71,10 +80,11 @@ class HistoryCallback(L.Callback):
             self._row(trainer, "val/")
 
     def state_dict(self):
-        return {"rows": self.rows}
+        return {"rows": self.rows, "tokens": self.tokens}
 
     def load_state_dict(self, state):
         self.rows = list(state.get("rows", []))
+        self.tokens = int(state.get("tokens", 0))
 
 
 class ResumeCheckpoint(Checkpoint):
