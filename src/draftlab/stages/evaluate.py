@@ -47,8 +47,8 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
     bench = instantiate(cfg.bench, _convert_="object")
     questions = bench.load()
     gen = generation_config(cfg, drafter)
-    others, labels = baseline_drafters(cfg, draft)
-    baseline_axes = {n: b.axes() for n, b in baseline_specs(cfg, has_draft=draft is not None).items()}
+    others, bspecs = baseline_drafters(cfg, draft)
+    labels = {n: b.label for n, b in bspecs.items()}
     labels[spec.name] = spec.label
     res = run_benchmark(target, questions, drafter, gen, run_dir, bench=bench.name, method=spec.name,
                         warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"), others=others)
@@ -63,7 +63,7 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
         atomic_write_text(run_dir / "eval_comparison.txt", comparison + "\n")
         for name, r in res.others.items():
             metrics.update(r.flat_metrics(prefix=f"baselines/{name}"))
-            baselines[name] = {"method": r.method, "label": labels[name], "axes": baseline_axes[name],
+            baselines[name] = {"method": r.method, "label": labels[name], "axes": bspecs[name].axes(),
                                "columns": dict(r.metrics["columns"]) | {"AVG": r.metrics["AVG"]},
                                "categories": r.metrics["categories"],
                                "accept_lengths": {str(k): v for k, v in r.accept_histogram.items()},
@@ -103,15 +103,16 @@ def baseline_specs(cfg: DictConfig, *, has_draft: bool) -> dict[str, MethodSpec]
     return specs
 
 
-def baseline_drafters(cfg: DictConfig, draft=None) -> tuple[dict[str, tuple[Any, GenerationConfig]], dict[str, str]]:
-    """``eval.baselines`` as (name -> (drafter, its GenerationConfig)), (name -> label). A trainable
+def baseline_drafters(cfg: DictConfig, draft=None) -> tuple[dict[str, tuple[Any, GenerationConfig]],
+                                                              dict[str, MethodSpec]]:
+    """``eval.baselines`` as (name -> (drafter, its GenerationConfig)), (name -> MethodSpec). A trainable
     baseline drafts from ``draft``, the run's trained draft."""
-    drafters, labels = {}, {}
-    for name, bspec in baseline_specs(cfg, has_draft=draft is not None).items():
+    specs = baseline_specs(cfg, has_draft=draft is not None)
+    drafters = {}
+    for name, bspec in specs.items():
         drafter = bspec.build_drafter(draft) if bspec.trainable else bspec.build_drafter()
         drafters[name] = (drafter, generation_config(cfg, drafter))
-        labels[name] = bspec.label
-    return drafters, labels
+    return drafters, specs
 
 
 def _log_to_wandb(loggers: list, res, metrics: dict[str, float]) -> None:
