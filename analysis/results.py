@@ -312,6 +312,15 @@ def load_records(*paths: str | Path, kind: str | None = None, baselines: bool = 
     return out
 
 
+
+def training_record(path: str | Path) -> Record:
+    """The one record with a training history under ``path`` (a run directory or its record.json); a clear
+    error when there is none or more than one (a sweep directory)."""
+    trained = [r for r in load_records(path, baselines=False) if r.history]
+    if len(trained) != 1:
+        raise RecordError(f"{path}: expected one training record, found {len(trained)}")
+    return trained[0]
+
 def group_records(records: Iterable[Record], key: str | Sequence[str] | Callable[[Record], Any]
                   ) -> dict[Any, list[Record]]:
     """Group records by ``key`` (a callable, an attribute or dotted path, or a list of them -> tuple keys),

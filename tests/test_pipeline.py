@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,6 +163,23 @@ def test_train_confu_end_to_end_then_reuse(tmp_path, monkeypatch, shared_data):
     assert record["eval"]["label"] == "ConFu"
     again = run_pipeline(_compose([*BASE, f"paths.artifacts={tmp_path / 'artifacts'}", *overrides], tmp_path, "train"),
                          stage="train")
+    assert again["train"]["reused"] is True and again["artifacts"]["draft"] == record["artifacts"]["draft"]
+
+
+def test_train_specbound_end_to_end_then_reuse(tmp_path, monkeypatch, shared_data):
+    """SpecBound through draftlab-train: online target forwards, its own artifact files (no ``config.json``),
+    the calibration metrics in the history, a lossless eval with drafter stats, then reuse by key."""
+    from draftlab.stages.pipeline import run_pipeline
+
+    _env(monkeypatch, tmp_path, shared_data)
+    overrides = ["method=specbound", "method.module.tau=0.0", "method.data.val_fraction=0.25", "trainer.max_epochs=1"]
+    base = ["experiment=tiny_base", *BASE[1:], f"paths.artifacts={tmp_path / 'artifacts'}", *overrides]
+    record = run_pipeline(_compose(base, tmp_path, "train"), stage="train")
+    assert record["train"]["reused"] is False and record["eval"]["mismatches_vs_ar"] == 0
+    assert any("val/exit_precision_l1" in h for h in record["train"]["history"])
+    answers = [json.loads(line) for line in Path(record["eval"]["answer_files"]["specbound"]).read_text().splitlines()]
+    assert all(a["choices"][0]["drafter_stats"][0]["drafted"] > 0 for a in answers)  # tau 0: every round drafts
+    again = run_pipeline(_compose(base, tmp_path, "train"), stage="train")
     assert again["train"]["reused"] is True and again["artifacts"]["draft"] == record["artifacts"]["draft"]
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from analysis.results import load_records
+from analysis.results import training_record
 
 
 def tokens_per_batch(config: dict) -> float:
@@ -55,10 +55,7 @@ def main() -> None:
     series = {}
     lines = ["| run | tokens seen | val/acc_0 | simulated τ |", "| --- | ---: | ---: | ---: |"]
     for name, run in zip(args.name, args.runs):
-        trained = [r for r in load_records(run, baselines=False) if r.history]
-        if len(trained) != 1:
-            raise SystemExit(f"{run}: expected one training record, found {len(trained)}")
-        pts, exact = points(trained[0])
+        pts, exact = points(training_record(run))
         series[name] = pts
         for t, acc, tau in pts:
             lines.append(f"| {name} | {t:,.0f}{'' if exact else ' (est.)'} | {acc:.3f} | {tau:.3f} |")

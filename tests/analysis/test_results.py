@@ -13,6 +13,7 @@ from analysis.results import (
     format_temperature,
     group_records,
     load_records,
+    training_record,
 )
 from tests.analysis.synthetic import columns, make_record, write_sweep
 
@@ -131,3 +132,12 @@ def test_baselines_evaluated_beside_a_method_load_as_records_of_their_own(tmp_pa
     (tmp_path / "0" / "record.json").write_text(json.dumps(rec))
     with pytest.raises(RecordError, match="record.json: eval.baselines.bad must be an object"):
         load_records(tmp_path)
+
+
+def test_training_record_is_the_one_run_with_a_history(tmp_path):
+    trained = make_record(label="EAGLE-3", kind="train", history=[{"step": 1, "train/loss": 2.0}])
+    write_sweep(tmp_path / "one", [trained, make_record(label="EAGLE-3")])  # an eval-only run beside it
+    assert training_record(tmp_path / "one").history == [{"step": 1, "train/loss": 2.0}]
+    write_sweep(tmp_path / "two", [trained, trained])
+    with pytest.raises(RecordError, match="expected one training record, found 2"):
+        training_record(tmp_path / "two")

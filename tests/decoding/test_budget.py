@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from draftlab.decoding.budget import TreeBudget, tree_budget
-from draftlab.decoding.cost import VerifyCost, measure_verify_cost, verify_cost
+from draftlab.decoding.cost import (
+    ContextVerifyCost,
+    VerifyCost,
+    measure_context_cost,
+    measure_verify_cost,
+    verify_cost,
+)
 from draftlab.decoding.tree import build_dynamic_tree
 from tests.decoding.test_tree import FakeDrafter
 
@@ -24,9 +30,22 @@ def test_verify_cost_interpolates_and_extrapolates():
         VerifyCost((4, 1), (1.0, 2.0))
 
 
+def test_context_cost_interpolates_between_context_lengths():
+    short, long = VerifyCost((1, 8), (1.0, 2.0)), VerifyCost((1, 8), (2.0, 2.5))
+    cost = ContextVerifyCost((100, 300), (short, long))
+    assert cost(8) == cost(8, None) == cost(8, 50) == 2.0  # no context, or below the shortest: its curve
+    assert cost(1, 200) == pytest.approx(1.5) and cost(8, 200) == pytest.approx(2.25)
+    assert cost(1, 500) == pytest.approx(3.0)  # past the longest: the last two curves' slope in the context
+    assert cost.step == 1.0 and cost.rows == (1, 8)
+    with pytest.raises(ValueError):
+        ContextVerifyCost((300, 100), (short, long))
+
+
 def test_measured_curve_on_a_real_target(tiny_target):
     cost = measure_verify_cost(tiny_target, rows=(1, 2, 8, 32), context=16, reps=3)
     assert cost.rows == (1, 2, 8, 32) and all(s > 0 for s in cost.seconds)
+    grid = measure_context_cost(tiny_target, rows=(1, 4), contexts=(16, 64), reps=3)
+    assert grid.contexts == (16, 64) and all(s > 0 for c in grid.curves for s in c.seconds)
     assert verify_cost(tiny_target) is verify_cost(tiny_target)  # measured once per target object
 
 
@@ -50,6 +69,21 @@ def test_choose_maximises_expected_tokens_per_second(per_row):
     n = budget.choose(torch.tensor(probs), levels=3)
     assert n == _best_by_brute_force(probs, 0.05, per_row, 0.003, 3)
     assert budget.sizes == [n] and budget.predicted_last == (pytest.approx(sum(probs[:n])) if n else None)
+
+
+def test_a_long_context_is_planned_with_its_own_curve():
+    """Over a long prompt a step costs more while a row adds less (attention over the cache dominates):
+    the same scores buy a bigger tree there than a short-context curve would allow."""
+    short = VerifyCost.linear(0.040, 0.004)
+    long = VerifyCost.linear(0.056, 0.0027)
+    probs = torch.tensor([0.3, 0.12, 0.1, 0.08, 0.05])
+    budget = TreeBudget(ContextVerifyCost((128, 1536), (short, long)), level_seconds=0.004)
+    n_short = budget.choose(probs, 2)
+    budget.context = 1536
+    n_long = budget.choose(probs, 2)
+    assert (n_short, n_long) == (_best_by_brute_force(probs.tolist(), 0.040, 0.004, 0.004, 2),
+                                 _best_by_brute_force(probs.tolist(), 0.056, 0.0027, 0.004, 2))
+    assert n_long > n_short
 
 
 def test_choose_spans_the_whole_range():

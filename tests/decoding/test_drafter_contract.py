@@ -39,9 +39,44 @@ def test_protocol_defaults():
     assert isinstance(d, Drafter) and isinstance(NoDrafter(), Drafter)
     assert d.aux_layers(None) is None and d.verify_rows(GenerationConfig()) is None
     assert d.extra_rows(None, None) is None and d.reset(None) is None and d.update(None, None) is None
+    assert d.verify_forward(None, None) is None and d.sequence_stats() is None
     out, stats = speculative_generate(TableTarget(CYCLE), [0], d, GenerationConfig(max_new_tokens=5,
                                                                                    stop_on_eos=False))
-    assert out == [1, 2, 3, 4, 5] and stats.tau == 1.0
+    assert out == [1, 2, 3, 4, 5] and stats.tau == 1.0 and stats.drafter_stats is None
+
+
+def test_sequence_stats_reach_the_decode_stats_and_the_answer_record():
+    from draftlab.eval.answer import TurnAnswer
+    from draftlab.eval.answers import answer_record, validate_answer
+
+    class Counting(_Chain):
+        def reset(self, state):
+            self.rounds = 0
+
+        def propose(self, state):
+            self.rounds += 1
+            return super().propose(state)
+
+        def sequence_stats(self):
+            return {"rounds_seen": self.rounds}
+
+    cfg = GenerationConfig(max_new_tokens=7, stop_on_eos=False)
+    out, stats = speculative_generate(TableTarget(CYCLE), [0], Counting(3), cfg)
+    assert stats.drafter_stats == {"rounds_seen": stats.rounds} and stats.as_dict()["drafter_stats"] == stats.drafter_stats
+
+    class Q:
+        question_id, category = 1, "qa"
+
+    record = answer_record(Q, [TurnAnswer([0], out, "x", stats)], "m")
+    assert validate_answer(record)["choices"][0]["drafter_stats"] == [{"rounds_seen": stats.rounds}]
+    record["choices"][0]["drafter_stats"] = [{"rounds_seen": "many"}]
+    with pytest.raises(ValueError, match=r"choices\[0\]\.drafter_stats\[0\]"):
+        validate_answer(record)
+    record["choices"][0]["drafter_stats"] = []
+    with pytest.raises(ValueError, match="one entry per turn"):
+        validate_answer(record)
+    _, ar_stats = autoregressive_generate(TableTarget(CYCLE), [0], cfg)
+    assert "drafter_stats" not in answer_record(Q, [TurnAnswer([0], out, "x", ar_stats)], "ar")["choices"][0]
 
 
 class _Chain(Drafter):

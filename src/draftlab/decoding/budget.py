@@ -6,7 +6,8 @@ whole path) and the verify pass has a price per row (``decoding.cost``), so each
 that maximises expected tokens per second:
 
     E(n) = 1 + a * sum_{i <= n} p_i          tokens a round yields (bonus token included) with the n best nodes
-    C(n) = (levels + 1) * t_level + V(rows(n))  seconds: the draft levels run, the draft's accept pass, one verify
+    C(n) = (levels + 1) * t_level + V(rows(n), L)  seconds: the draft levels run, the draft's accept pass, one
+                                                  verify over the L tokens decoded so far
     n*   = argmax_n E(n) / C(n),  0 <= n <= total_tokens  (the configured size becomes a cap)
 
 ``p_i`` are the candidates' path probabilities in best-first order (a prefix of that order is always an
@@ -16,7 +17,8 @@ at a = 1; rounds that verify no node move it back towards 1, so a draft judged u
 later). ``t_level`` is the measured wall time of one draft level. Growth also stops early: another
 level can add at most ``a * sum(p_frontier)`` expected tokens (a node's children share its probability)
 for at least one more ``t_level``; once that bound cannot beat the best ratio so far, the round's
-remaining draft passes are skipped.
+remaining draft passes are skipped. ``V`` depends on the context length ``L`` (``decoding.cost``): the
+drafter sets ``budget.context`` each round, so a long prompt is planned with its own, dearer step.
 
 Sizing only chooses which proposals get verified; the verifier and its acceptance rule are untouched, so
 greedy outputs stay equal to AR and sampling keeps the target distribution.
@@ -29,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from draftlab.decoding.cost import VerifyCost
+from draftlab.decoding.cost import ContextVerifyCost, VerifyCost
 
 _RECOVER = 0.02  # per empty round, the share of the way the calibration moves back towards 1
 
@@ -44,7 +46,7 @@ class TreeBudget:
     - ``decay``: the moving averages' weight on the past (0.9: about the last ten rounds).
     """
 
-    def __init__(self, cost: VerifyCost | None = None, *, rows_per_node: int = 1, extra_rows: int = 0,
+    def __init__(self, cost: VerifyCost | ContextVerifyCost | None = None, *, rows_per_node: int = 1, extra_rows: int = 0,
                  level_seconds: float | None = None, decay: float = 0.9):
         self.cost, self.rows_per_node, self.extra_rows = cost, rows_per_node, extra_rows
         self.fixed_level = level_seconds
@@ -53,6 +55,7 @@ class TreeBudget:
         self._accepted, self._predicted = 1.0, 1.0  # moving sums (a prior of a = 1)
         self.predicted_last: float | None = None  # sum p_i of the last chosen tree
         self.sizes: list[int] = []  # chosen node counts, per round (for reports)
+        self.context: int | None = None  # tokens in the sequence this round verifies after (set by the drafter)
 
     # -- inputs ------------------------------------------------------------------------------------
 
@@ -98,7 +101,7 @@ class TreeBudget:
 
     def _seconds(self, nodes: torch.Tensor, levels: int) -> torch.Tensor:
         rows = self.rows_per_node * (nodes + 1) + self.extra_rows  # root + nodes (each with its own extra rows)
-        verify = torch.tensor([self.cost(int(r)) for r in rows.tolist()], dtype=torch.float64)
+        verify = torch.tensor([self.cost(int(r), self.context) for r in rows.tolist()], dtype=torch.float64)
         return (levels + 1) * self.level_seconds + verify
 
     def _rates(self, probs: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

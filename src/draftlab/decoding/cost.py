@@ -3,8 +3,14 @@
 Cost-aware drafting (``decoding.budget``) trades the tokens a bigger tree is expected to add against what
 its extra rows cost. That price is a property of the target *and* the machine (kernels, cores, memory
 bandwidth; see ``targets/row_kernels.py``), so it is measured through the ``Target`` contract itself:
-``new_cache`` + ``forward`` with a tree mask over a short context, the same call the engine makes. Any
+``new_cache`` + ``forward`` with a tree mask over a committed prefix, the same call the engine makes. Any
 target gets a curve this way, and the curve of one target object is measured once per process.
+
+It is also a property of the context: every row attends over the whole cache. On SmolLM2-135M (2 cores)
+one AR step costs 40 ms over 128 tokens and 56 ms over 1,536, while a second row costs 4 ms more at 128
+and 3 ms at 1,536, so a curve measured over a short prefix makes drafting look dearer, relative to a
+step, than it is over a long prompt. ``ContextVerifyCost`` holds one curve per context length and
+interpolates between them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from draftlab.decoding.tree import DraftTree, ancestor_mask
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+CONTEXTS = (128, 1024, 2048)  # committed prefix lengths a curve is measured over (Spec-Bench prompts reach ~1.7k)
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,8 @@ class VerifyCost:
         if len(self.rows) < 2 or len(self.rows) != len(self.seconds) or list(self.rows) != sorted(set(self.rows)):
             raise ValueError(f"need >= 2 increasing row counts with one time each, got {self.rows} / {self.seconds}")
 
-    def __call__(self, rows: int | float) -> float:
+    def __call__(self, rows: int | float, context: int | None = None) -> float:
+        """``context`` is accepted for the shared signature and ignored: this is one context's curve."""
         r, s = self.rows, self.seconds
         i = min(max(bisect_left(r, rows), 1), len(r) - 1)  # segment [r[i-1], r[i]]
         slope = (s[i] - s[i - 1]) / (r[i] - r[i - 1])
@@ -48,6 +56,37 @@ class VerifyCost:
     def linear(cls, step: float, per_row: float, max_rows: int = 64) -> VerifyCost:
         """A synthetic curve ``step + per_row * (rows - 1)`` (tests, or a machine described by hand)."""
         return cls((1, max_rows), (step, step + per_row * (max_rows - 1)))
+
+
+@dataclass(frozen=True)
+class ContextVerifyCost:
+    """Verify cost curves measured at increasing context lengths: linear in the context between two of them
+    (attention over the cache is linear in its length), extrapolated past the longest from the last two, and
+    held at the shortest one's below it (there the weights, not the cache, set the price)."""
+
+    contexts: tuple[int, ...]
+    curves: tuple[VerifyCost, ...]
+
+    def __post_init__(self) -> None:
+        if not self.curves or len(self.contexts) != len(self.curves) or list(self.contexts) != sorted(set(self.contexts)):
+            raise ValueError(f"need >= 1 increasing context lengths with one curve each, got {self.contexts}")
+
+    def __call__(self, rows: int | float, context: int | None = None) -> float:
+        c = self.contexts
+        if context is None or len(c) == 1 or context <= c[0]:
+            return self.curves[0](rows)
+        i = min(bisect_left(c, context), len(c) - 1)  # segment [c[i-1], c[i]]
+        lo, hi = self.curves[i - 1](rows), self.curves[i](rows)
+        return max(lo + (hi - lo) * (context - c[i - 1]) / (c[i] - c[i - 1]), 0.0)
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return self.curves[0].rows
+
+    @property
+    def step(self) -> float:
+        """One decode row over the shortest context."""
+        return self(1)
 
 
 def verify_passes(target, rows: tuple[int, ...], *, context: int = 128) -> list:
@@ -86,19 +125,26 @@ def time_interleaved(calls: list, reps: int) -> list[float]:
 
 
 def measure_verify_cost(target, rows: tuple[int, ...] = ROWS, *, context: int = 128, reps: int = 5) -> VerifyCost:
-    """Median wall time of a verify-shaped pass (``verify_passes``) of each row count."""
+    """Median wall time of a verify-shaped pass (``verify_passes``) of each row count over one context."""
     return VerifyCost(tuple(rows), tuple(time_interleaved(verify_passes(target, rows, context=context), reps)))
+
+
+def measure_context_cost(target, rows: tuple[int, ...] = ROWS, *, contexts: tuple[int, ...] = CONTEXTS,
+                         reps: int = 5) -> ContextVerifyCost:
+    """``measure_verify_cost`` at each context length (about 20 s for a 135M model on 2 cores)."""
+    curves = tuple(measure_verify_cost(target, rows, context=c, reps=reps) for c in contexts)
+    return ContextVerifyCost(tuple(contexts), curves)
 
 
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def verify_cost(target) -> VerifyCost:
-    """This target's curve, measured on first request (a few seconds for a 135M model on 2 cores)."""
+def verify_cost(target) -> ContextVerifyCost:
+    """This target's curves over ``CONTEXTS``, measured on first request."""
     try:
         return _MEASURED[target]
     except KeyError:
-        cost = _MEASURED[target] = measure_verify_cost(target)
+        cost = _MEASURED[target] = measure_context_cost(target)
         return cost
     except TypeError:  # a target that cannot be weakly referenced: measure each time it is asked
-        return measure_verify_cost(target)
+        return measure_context_cost(target)

@@ -14,7 +14,13 @@ explicitly to inherit those defaults, so the engine never probes a drafter for o
 - ``verify_rows(cfg)``: rows of the largest verify pass (tree nodes + extra rows); the engine sizes the
   target cache's scratch for ``max(cfg.max_tree_rows, verify_rows)``. ``None``: ``cfg.max_tree_rows``.
 - ``extra_rows(state, tree)``: rows appended after the tree in the verify pass (default ``None``).
+- ``verify_forward(state, tree)``: the verify pass itself, for drafters that already ran part of the
+  target on the tree rows (early-exit self-speculation): a ``TargetOutput`` whose ``logits [1, N, V]``
+  equal a full forward over the tree, with every layer's K/V of the tree rows written at the scratch
+  slots ``cache.length + i``. Default ``None``: the engine runs ``target.forward``. The verifier is the same.
 - ``reset(state)`` once per sequence after prefill, ``propose(state)`` and ``update(state, out)`` per round.
+- ``sequence_stats()`` once per sequence at the end: a flat ``{name: number}`` of what the drafter did
+  (SpecBound's exit depths), kept in ``DecodeStats.drafter_stats`` and in answer records. Default ``None``.
 
 How every method on the roadmap fits:
 
@@ -30,9 +36,11 @@ How every method on the roadmap fits:
   vector for the next round. Rows that never see the sequence (soft prompts) are computed once and
   passed as ``ExtraRows.pinned`` keys instead of riding along in every pass.
 - **Self-speculation (SpecBound early exit, SparseSpec-L sparse KV).** ``propose`` may run the target's own
-  first layers / a sparse view of its cache: ``state.target`` and ``state.cache`` are exposed read-only
-  (draft rows go to scratch slots past ``cache.length``; the verify pass overwrites them). Proposals carry
-  their draft distribution (``draft_probs``) when sampled, so the min(1, p/q) rule stays exact.
+  first layers / a sparse view of its cache: ``state.target`` and ``state.cache`` are exposed (draft rows
+  go to scratch slots past ``cache.length``; the verify pass overwrites them, committed rows are never
+  touched). A drafter whose draft rows are the tree rows (early exit) finishes them in ``verify_forward``
+  instead of recomputing their shallow layers. Proposals carry their draft distribution
+  (``draft_probs``) when sampled, so the min(1, p/q) rule stays exact.
 - **Block drafters (DFlash).** A block of tokens proposed in one shot is a chain: ``DraftTree.chain``.
 - **Speculation caches (SSD/Saguaro).** The drafter pre-computes trees for likely verification outcomes
   while the target verifies; ``update(state, out)`` receives the exact outcome (``out.result.path`` +
@@ -152,6 +160,11 @@ class Drafter(Protocol):
         """Rows to append after ``tree`` in this round's verify pass; ``None``: none."""
         return None
 
+    def verify_forward(self, state: DecodeState, tree: DraftTree):
+        """This round's verify pass computed by the drafter (a ``TargetOutput``), or ``None`` (the default):
+        the engine runs ``target.forward`` over the tree. Not combined with ``extra_rows``."""
+        return None
+
     def reset(self, state: DecodeState) -> None:
         """A new sequence starts (called once after prefill)."""
 
@@ -161,6 +174,10 @@ class Drafter(Protocol):
 
     def update(self, state: DecodeState, out: VerifyOutput) -> None:
         """The round's outcome; ``state.tokens`` and ``state.accepted_aux`` already include the kept tokens."""
+
+    def sequence_stats(self) -> dict[str, float] | None:
+        """Numbers about the sequence just decoded (``{name: int | float}``), or ``None`` (the default)."""
+        return None
 
 
 class NoDrafter(Drafter):

@@ -71,6 +71,7 @@ class DecodeStats:
     prefill_time: float = 0.0
     wall_time: float = 0.0
     trace: list[RoundTrace] | None = None  # per round, with ``trace=True``; not part of ``as_dict``
+    drafter_stats: dict | None = None  # the drafter's own numbers for this sequence (``Drafter.sequence_stats``)
 
     @property
     def rounds(self) -> int:
@@ -94,7 +95,7 @@ class DecodeStats:
                 "accept_histogram": self.accept_histogram, "accept_lengths": self.accept_lengths,
                 "draft_time": sum(self.draft_times), "verify_time": sum(self.verify_times),
                 "prefill_time": self.prefill_time, "wall_time": self.wall_time,
-                "tokens_per_second": self.tokens_per_second}
+                "tokens_per_second": self.tokens_per_second, "drafter_stats": self.drafter_stats}
 
 
 def _generator(cfg: GenerationConfig) -> torch.Generator | None:
@@ -214,7 +215,11 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
             kw["return_last_hidden"] = True
         if extra is not None and extra.pinned is not None:
             kw["pinned"], kw["pinned_mask"] = extra.pinned, _pinned_mask(extra, n, target.device)
-        vout = target.forward(ids, pos, cache, mask, input_embeds=embeds, **kw)
+        vout = drafter.verify_forward(state, tree) if extra is None else None
+        if vout is None:
+            vout = target.forward(ids, pos, cache, mask, input_embeds=embeds, **kw)
+        elif taps and vout.aux_hidden is None:
+            raise RuntimeError("the drafter's verify_forward returned no aux states for the layers it taps")
         logits = vout.logits[0, :n]  # [N, V]
         result = verify(logits, tree, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=gen)
         t2 = time.perf_counter()
@@ -239,6 +244,7 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
         stats.draft_times.append((t1 - t0) + (t3 - t2))
         stats.verify_times.append(t2 - t1)
         stats.tree_sizes.append(n)
+    stats.drafter_stats = drafter.sequence_stats()
     stats.new_tokens = len(new)
     stats.wall_time = time.perf_counter() - t_start
     return new, stats

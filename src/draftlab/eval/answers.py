@@ -45,6 +45,9 @@ def answer_record(question, turns: Sequence, model_id: str, *, index: int = 0, *
         "wall_time": [t.stats.wall_time for t in turns],
         "accept_lengths": [a for t in turns for a in t.stats.accept_lengths],
     }
+    drafter_stats = [getattr(t.stats, "drafter_stats", None) for t in turns]
+    if any(d is not None for d in drafter_stats):
+        choice["drafter_stats"] = drafter_stats  # per turn, what the drafter reported (e.g. exit depths)
     record = {
         "question_id": question.question_id,
         "category": question.category,
@@ -93,6 +96,14 @@ def validate_answer(record: Any, *, file: str | Path | None = None, line: int | 
             for i, v in enumerate(choice.get(key, [])):
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise fail(f"expected a non-negative int, got {v!r}", f"{where}.{key}[{i}]")
+        stats = choice.get("drafter_stats")
+        if stats is not None:
+            if not isinstance(stats, list) or len(stats) != n_turns:
+                raise fail(f"expected a list with one entry per turn ({n_turns})", f"{where}.drafter_stats")
+            for i, d in enumerate(stats):
+                if d is not None and not (isinstance(d, dict) and all(
+                        isinstance(v, (int, float)) and not isinstance(v, bool) for v in d.values())):
+                    raise fail(f"expected null or an object of numbers, got {d!r}", f"{where}.drafter_stats[{i}]")
         for i, v in enumerate(choice["wall_time"]):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise fail(f"expected a non-negative number, got {v!r}", f"{where}.wall_time[{i}]")

@@ -33,6 +33,9 @@ _NOT_IN_TRAIN_KEY = ("label", "drafter", "export", "artifact", "axes", "features
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 
+_ABSENT = object()
+
+
 class MethodSpec:
     """A composed ``method`` config node, with one call per pipeline seam."""
 
@@ -84,10 +87,10 @@ class MethodSpec:
         """``{axis: value}`` for the comparison axes this method declares (``axes: {nodes: drafter.total_tokens}``)."""
         out = {}
         for axis, path in (self.cfg.get("axes") or {}).items():
-            value = OmegaConf.select(self.cfg, str(path), throw_on_missing=False)
-            if value is None:
+            value = OmegaConf.select(self.cfg, str(path), throw_on_missing=False, default=_ABSENT)
+            if value is _ABSENT:
                 raise ValueError(f"method '{self.name}': axis '{axis}' points at '{path}', which the config lacks")
-            out[str(axis)] = value
+            out[str(axis)] = value  # null is a setting too (a default the method resolves itself)
         return out
 
     # ---- seams -------------------------------------------------------------------------------------

@@ -163,7 +163,7 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
     key = train_key(cfg, data.data_key)
     root = Path(cfg.paths.artifacts) / spec.name / key
     draft_dir = root / "draft"
-    if (draft_dir / "config.json").exists():
+    if draft_dir.is_dir() and (root / "train_summary.json").exists():  # whatever files the method's format holds
         summary = json.loads((root / "train_summary.json").read_text())
         log.info("reusing trained draft %s (training skipped)", draft_dir)
         return TrainResult(key, root, draft_dir, reused=True, history=summary.get("history", []),

@@ -172,7 +172,7 @@ def test_auto_tree_greedy_equals_ar_and_sampling_follows_the_target(tiny_target,
     make_drafter(name)  # trains once (trainable methods)
     draft = _trained.get(name)
     per_row = 0.0 if rows == "cheap" else 0.1
-    sizes = []
+    sizes, seen = [], []
 
     def fresh():
         drafter = _auto(name, draft)
@@ -181,9 +181,12 @@ def test_auto_tree_greedy_equals_ar_and_sampling_follows_the_target(tiny_target,
         for b in budgets:
             b.cost, b.fixed_level, b._level_s = VerifyCost.linear(0.01, per_row), 0.0, 0.0
             sizes.append(b.sizes)
+        seen.extend(budgets)
         return drafter
 
     accepted = check_greedy_equals_ar(tiny_target, fresh, [TRAIN_PROMPTS[1], UNSEEN_PROMPT], 20)
+    # Every budget that sized a round was told the context it verifies over (its cost curve is indexed by it).
+    assert all(b.context and b.context > 1 for b in seen if b.sizes), "a budget planned blind to the context"
     if rows == "dear":
         assert all(n == 0 for s in sizes for n in s), "rows at ten AR steps each should never pay"
         return

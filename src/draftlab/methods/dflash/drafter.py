@@ -156,6 +156,8 @@ class DFlashDrafter(Drafter):
         ids = torch.full((1, bs), c.mask_token_id, dtype=torch.long, device=device)  # [1, bs]
         ids[0, 0] = state.root
         positions = torch.arange(n - 1, n - 1 + bs, device=device)  # [bs]
+        if self.budget is not None:
+            self.budget.context = n  # the verify pass attends over all of them
         block = self.budget.timed(self._block_logits) if self.budget is not None else self._block_logits
         logits = block((ids, positions))  # [bs-1, V]
         if state.temperature == 0 or self.sampling == "argmax":

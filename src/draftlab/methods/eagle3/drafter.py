@@ -252,6 +252,8 @@ class Eagle3Drafter(Drafter):
             states[batch.node_ids.to(device)] = h
             return out
 
+        if self.budget is not None:
+            self.budget.context = len(state.tokens)  # the verify pass attends over all of them
         try:
             return build_dynamic_tree(state.root, expand, top_k=self.top_k, depth=self.depth,
                                       total_tokens=self.total_tokens, budget=self.budget)

@@ -86,6 +86,7 @@ class SuffixDrafter(Drafter):
                 best = tree
         _, tokens, parents, scores = best
         if self.budget is not None and tokens:  # a prefix of the best-first order is still a tree
+            self.budget.context = len(state.tokens)
             n = self.budget.choose(torch.tensor(scores), 0)
             tokens, parents = tokens[:n], parents[:n]
         if not tokens:

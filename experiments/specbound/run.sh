@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# SpecBound on SmolLM2-135M-Instruct, end to end (experiments/specbound/README.md). About 50 minutes on 2 cores:
+# heads (~18 min), the calibration report and the exit-policy grid + cost model (~2 min), Spec-Bench T=0 with
+# the ablations (~25 min). Every step is skipped once its output exists; the trained heads are reused by key.
+set -euo pipefail
+OUT=${1:-runs/specbound}
+HERE=experiments/specbound
+[[ -f "$OUT/train/record.json" ]] || draftlab-train experiment=specbound_smollm2 eval.enabled=false hydra.run.dir="$OUT/train"
+python $HERE/calibration.py "$OUT/train" --out $HERE/calibration
+[[ -f $HERE/policy.md ]] || python $HERE/policy.py "$OUT/train" --out $HERE/policy
+[[ -f "$OUT/eval/record.json" ]] || draftlab-train experiment=specbound_smollm2 hydra.run.dir="$OUT/eval"
+draftlab-table "$OUT/eval" --layout methods --format both --out $HERE/table_t0
