@@ -10,3 +10,4 @@ python $HERE/calibration.py "$OUT/train" --out $HERE/calibration
 [[ -f $HERE/policy.md ]] || python $HERE/policy.py "$OUT/train" --out $HERE/policy
 [[ -f "$OUT/eval/record.json" ]] || draftlab-train experiment=specbound_smollm2 hydra.run.dir="$OUT/eval"
 draftlab-table "$OUT/eval" --layout methods --format both --out $HERE/table_t0
+python $HERE/categories.py "$OUT/eval" --out $HERE/table_categories
