@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SpecBound on SmolLM2-135M-Instruct, end to end (experiments/specbound/README.md). About 50 minutes on 2 cores:
+# SpecBound on SmolLM2-135M-Instruct, end to end (experiments/specbound/README.md). About 70 minutes on 2 cores:
 # heads (~18 min), the calibration report and the exit-policy grid + cost model (~2 min), Spec-Bench T=0 with
 # the ablations (~25 min). Every step is skipped once its output exists; the trained heads are reused by key.
 set -euo pipefail
@@ -11,3 +11,8 @@ python $HERE/calibration.py "$OUT/train" --out $HERE/calibration
 [[ -f "$OUT/eval/record.json" ]] || draftlab-train experiment=specbound_smollm2 hydra.run.dir="$OUT/eval"
 draftlab-table "$OUT/eval" --layout methods --format both --out $HERE/table_t0
 python $HERE/categories.py "$OUT/eval" --out $HERE/table_categories
+# The decoded sweep over the exit rule (1 question per category, ~4 min per point); d_max and w_max are the
+# ablations above. Skipped once its records exist.
+ls "$OUT"/sweep/*/record.json >/dev/null 2>&1 || draftlab-train -m experiment=specbound_smollm2 bench.per_category=1 \
+    eval.baselines=null method.drafter.alpha=0.5,1.0 method.drafter.tau=0.3,0.5 hydra.sweep.dir="$OUT/sweep"
+draftlab-table "$OUT/sweep" --layout methods --format both --out $HERE/table_sweep
