@@ -42,7 +42,6 @@ def main() -> None:
     row = next((h for h in rows if h["step"] == best_step), rows[-1])
     table = calibration(row)
     module = rec.data["config"]["method"]["module"]
-    L = rec.data["config"].get("target", {}).get("num_layers") or None
     tau, alpha = module["tau"], module["alpha"]
     lines = [f"Held-out calibration of the saved draft (step {row['step']}; tau {tau}, alpha {alpha}; "
              f"{len(rows)} validation(s) in the run, steps {', '.join(str(h['step']) for h in rows)}).", "",
@@ -71,7 +70,7 @@ def main() -> None:
         axes[1].plot(layers, [table[i][f"{prefix}exit_precision"] for i in layers], style, marker="o", label=label)
     axes[1].plot(layers, [table[i]["agree"] for i in layers], ":", marker="s", color="gray", label="agreement, all tokens")
     for ax, title in zip(axes, (f"exit rate (confidence >= {tau})", "precision of exited tokens")):
-        ax.set_xlabel("exit layer" + (f" (of {L})" if L else ""))
+        ax.set_xlabel("exit layer (layers run before the head)")
         ax.set_title(title)
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)

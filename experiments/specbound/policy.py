@@ -128,7 +128,6 @@ def main() -> None:
     target = instantiate(cfg.target)
     heads = MethodSpec(cfg.method).load(Path(rec.data["artifacts"]["draft"]), target).eval()
     d_maxes = args.d_max or list(heads.exit_layers)
-    torch.set_num_threads(torch.get_num_threads())
     t0 = time.perf_counter()
     batches = held_out_scores(cfg, heads, target, args.alphas, args.max_batches)
     n = sum(int(v.sum()) for _, _, v in batches)
