@@ -42,6 +42,52 @@ def test_eval_training_free_method_writes_answers_and_record(tmp_path, monkeypat
     assert len(method) == len(base) == 2
     assert all(a["choices"][0]["accept_lengths"] == [1] * (sum(a["choices"][0]["new_tokens"]) - 1) for a in base)
     assert "AVG" in (tmp_path / "eval_table.txt").read_text()
+    # MT-bench scores nothing against references, and times over wall clock by default.
+    assert "scores" not in record["eval"] and record["eval"]["timing"] == "wall"
+
+
+def test_eval_long_context_scores_the_needle_for_every_run(tmp_path, monkeypatch, shared_data):
+    # Two NIAH-style rows whose 7-digit needle the random model will not write (found 0 for every run) and
+    # one L-Eval-style row, which is timed but not scored. Decode-only timing, as for real long prompts.
+    from draftlab.stages.pipeline import run_pipeline
+
+    _env(monkeypatch, tmp_path, shared_data)
+    rows = [{"id": f"niah-{i}", "question_id": 1, "category": "niah_16k", "reference": "8264917",
+             "turns": [f"The special magic number is 8264917. Filler text {i}. What is the magic number?"]}
+            for i in range(2)]
+    rows.append({"id": "leval-0", "question_id": 1, "category": "news_summ", "reference": "a summary",
+                 "turns": ["Summarise this news article: the council met on Tuesday."]})
+    data = tmp_path / "lc.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(tmp_path, "method=prompt_lookup", "bench=long_context", f"bench.sources=[{{path:'{data}',fit:drop}}]",
+               "bench.limit=null", "bench.max_prompt_tokens=512", "eval.timing=decode",
+               "+method@eval.baselines.sfx=suffix", experiment="tiny_base")
+    record = run_pipeline(cfg, stage="eval")
+    ev = record["eval"]
+    assert ev["timing"] == "decode" and ev["mismatches_vs_ar"] == 0
+    assert set(ev["scores"]) == {"ar", "prompt_lookup", "sfx"}
+    for s in ev["scores"].values():
+        assert s["n"] == 2 and s["found"] == 0 and s["by_question"] == {"niah-0": False, "niah-1": False}
+    assert ev["scores"]["ar"] == ev["scores"]["prompt_lookup"]  # lossless at T=0: the same answers
+    assert record["metrics"]["eval/long_context/found/ar"] == 0.0
+    assert record["metrics"]["eval/long_context/found/sfx"] == 0.0
+    # No ConFu column for these categories: each is reported by name, and AVG covers all three questions.
+    assert ev["columns"] == {"AVG": ev["columns"]["AVG"]} and ev["columns"]["AVG"]["n_questions"] == 3
+    assert set(ev["categories"]) == {"niah_16k", "news_summ"}
+    assert "eval/long_context/news_summ/speedup" in record["metrics"]
+    table = (tmp_path / "eval_table.txt").read_text()
+    assert "niah_16k" in table and "timing=decode" in table
+    answers = load_answers(tmp_path / "answers" / "baseline.jsonl")
+    assert all(0 < a["choices"][0]["prefill_time"][0] <= a["choices"][0]["wall_time"][0] for a in answers)
+
+
+def test_an_unknown_eval_timing_fails_before_anything_runs(tmp_path, monkeypatch, shared_data):
+    from draftlab.stages.pipeline import run_pipeline
+    from draftlab.utils.errors import ConfigError
+
+    _env(monkeypatch, tmp_path, shared_data)
+    with pytest.raises(ConfigError, match="eval.timing"):
+        run_pipeline(_cfg(tmp_path, "method=prompt_lookup", "eval.timing=cpu", experiment="tiny_base"), stage="eval")
 
 
 def test_eval_baselines_answer_the_same_questions_beside_the_method(tmp_path, monkeypatch, shared_data):

@@ -176,3 +176,54 @@ def test_view_respects_the_mask_and_the_cache(prefilled):
     torch.testing.assert_close(a.k[:, :, :, :P + 1], b.k[:, :, :, :P + 1], rtol=0, atol=ATOL)
     with pytest.raises(ValueError, match="beyond"):
         _run(t, copy(), ids, view=SparseView({0: torch.full((t.geometry.num_kv_heads, 1), P + 5)}))
+
+
+# ---- a view compacted into a cache of its own (SparseSpec-L's draft steps) -----------------------------------
+
+
+def _steps_over(t, cache, tokens, first_pos):
+    """Decode ``tokens`` one at a time over ``cache`` at true positions; logits [len, V]."""
+    out = []
+    for i, tok in enumerate(tokens):
+        logits = t.forward(torch.tensor([[tok]]), torch.tensor([first_pos + i]), cache).logits[0, -1]
+        cache.commit(1)
+        out.append(logits)
+    return torch.stack(out)
+
+
+def test_compacted_full_view_equals_dense_decoding(prefilled):
+    t, copy = prefilled
+    P = copy().length
+    L, Hkv = t.geometry.num_layers, t.geometry.num_kv_heads
+    dense = _steps_over(t, copy(), [11, 12, 13], P)  # [3, V]
+    g = torch.Generator().manual_seed(1)
+    shuffled = SparseView({li: torch.stack([torch.randperm(P, generator=g) for _ in range(Hkv)]) for li in range(L)})
+    for view in (SparseView.full(range(L), Hkv, P), shuffled):  # slot order within a head does not matter
+        small = view.compact(copy(), spare_rows=4)
+        assert small.length == P and small.max_length == P + 4
+        torch.testing.assert_close(_steps_over(t, small, [11, 12, 13], P), dense, rtol=0, atol=ATOL)
+
+
+def test_compacted_subset_equals_the_in_place_view(prefilled):
+    t, copy = prefilled
+    P = copy().length
+    L = t.geometry.num_layers
+    per_head = torch.stack([torch.tensor([0, 1, 2, 7, 11, 20, 28, 29]), torch.tensor([3, 4, 5, 6, 8, 9, 10, 12])])
+    view = SparseView({li: per_head for li in range(L)})
+    in_place = _run(t, copy(), torch.tensor([[77]]), torch.tensor([P]), None, view)[0, -1]  # [V]
+    reused = KVCache(L, 1, t.geometry.num_kv_heads, t.geometry.head_dim, 32)
+    small = view.compact(copy(), spare_rows=2, out=reused)
+    assert small is reused and small.length == 8  # a large enough cache is reused, not reallocated
+    torch.testing.assert_close(_steps_over(t, small, [77], P)[0], in_place, rtol=0, atol=ATOL)
+    assert (in_place - _steps_over(t, copy(), [77], P)[0]).abs().max() > 1e-3  # and it is not dense
+
+
+def test_compact_rejects_what_dense_attention_would_get_wrong(prefilled):
+    t, copy = prefilled
+    L, Hkv = t.geometry.num_layers, t.geometry.num_kv_heads
+    with pytest.raises(ValueError, match="distinct"):
+        SparseView({li: torch.tensor([[0, 1, 1]] * Hkv) for li in range(L)}).compact(copy(), 2)
+    with pytest.raises(ValueError, match="every layer"):
+        SparseView({0: torch.tensor([[0, 1]] * Hkv)}).compact(copy(), 2)
+    with pytest.raises(ValueError, match="committed context"):
+        SparseView({li: torch.tensor([[0, 99]] * Hkv) for li in range(L)}).compact(copy(), 2)

@@ -39,7 +39,7 @@ def test_protocol_defaults():
     assert isinstance(d, Drafter) and isinstance(NoDrafter(), Drafter)
     assert d.aux_layers(None) is None and d.verify_rows(GenerationConfig()) is None
     assert d.extra_rows(None, None) is None and d.reset(None) is None and d.update(None, None) is None
-    assert d.verify_forward(None, None) is None and d.sequence_stats() is None
+    assert d.verify_forward(None, None) is None and d.sequence_stats() is None and d.attention_rows() is None
     out, stats = speculative_generate(TableTarget(CYCLE), [0], d, GenerationConfig(max_new_tokens=5,
                                                                                    stop_on_eos=False))
     assert out == [1, 2, 3, 4, 5] and stats.tau == 1.0 and stats.drafter_stats is None
@@ -188,3 +188,44 @@ def test_extra_rows_skip_the_lm_head_unless_asked(tiny_target):
     o = drafter.outs[0]
     assert o.extra.logits is None and o.extra.hidden is None and o.extra.aux is None
     assert o.logits.shape[0] == o.tree.size
+
+
+def test_attention_rows_reach_the_drafter(tiny_target):
+    """A drafter asking for ``attention_rows`` gets the prefill's and every verify pass's attention mass,
+    exactly what ``Target.forward(attn_mass_rows=W)`` reports for those passes; others get none."""
+
+    class Chain2(Drafter):
+        def __init__(self, rows):
+            self.rows, self.seen = rows, []
+
+        def attention_rows(self):
+            return self.rows
+
+        def reset(self, state):
+            self.seen.append(("prefill", len(state.tokens) - 1, state.attn_mass))
+
+        def propose(self, state):
+            return DraftTree.chain(state.root, [5, 6])
+
+        def update(self, state, out):
+            assert out.attn_mass is state.attn_mass
+            self.seen.append(("verify", out.tree.size, out.attn_mass))
+
+    prompt = list(range(100, 120))
+    d = Chain2(3)
+    speculative_generate(tiny_target, prompt, d, GenerationConfig(max_new_tokens=4, stop_on_eos=False))
+    g = tiny_target.geometry
+    kind, past, mass = d.seen[0]
+    assert kind == "prefill" and mass.shape == (g.num_layers, g.num_kv_heads, len(prompt))
+    ref = tiny_target.forward(torch.tensor([prompt]), attn_mass_rows=3).attn_mass[:, 0]
+    torch.testing.assert_close(mass, ref, rtol=0, atol=1e-5)
+    verify_passes = d.seen[1:]
+    assert verify_passes and all(m.shape[-1] >= len(prompt) + n for _, n, m in verify_passes)
+    # Three rows of mass, per query head of each KV head: the last 3 rows of the 3-row chain pass.
+    G = g.num_heads // g.num_kv_heads
+    for _, _, m in verify_passes:
+        torch.testing.assert_close(m.sum(-1), torch.full_like(m.sum(-1), 3.0 * G), rtol=0, atol=1e-4)
+
+    plain = Chain2(None)
+    speculative_generate(tiny_target, prompt, plain, GenerationConfig(max_new_tokens=4, stop_on_eos=False))
+    assert all(m is None for _, _, m in plain.seen)

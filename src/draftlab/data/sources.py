@@ -101,7 +101,9 @@ class BenchmarkSpec:
     per_category: int | None = None
     limit: int | None = None
 
-    def load(self):
+    def load(self, tokenizer=None):
+        """The selected questions. ``tokenizer`` is accepted and ignored: the evaluate stage passes the
+        target's to every bench, and only long-context ones (``LongContextBench``) fit prompts with it."""
         from draftlab.data.benchmarks import load_humaneval, load_question_jsonl, select_questions
 
         path = resolve_path(self.path)

@@ -20,7 +20,10 @@ a pass over every layer, which overwrote the scratch slots at every layer, so th
 new common length.
 
 ``SparseView`` restricts what a pass reads: per layer, per KV head, the slots ``[Hkv, K]`` attention may see
-(besides the new rows themselves), for sparse-KV drafting.
+(besides the new rows themselves), for sparse-KV drafting. Read in place (``forward_layers(view=)``) every
+pass gathers the slots again; ``SparseView.compact`` gathers them once into a small cache of their own, over
+which several draft steps then run as plain dense forwards (keys keep their RoPE positions, so attention
+over a compacted view equals attention over the same slots in place).
 
 ``PinnedKV`` holds keys/values of rows that belong to no sequence and never change (ConFu's soft prompts):
 computed once, then read by any pass that is given them, next to its cache, without occupying cache slots.
@@ -196,6 +199,33 @@ class SparseView:
     def layer(self, layer: int) -> torch.Tensor | None:
         """The slots of ``layer`` ``[Hkv, K]``, or None when the layer reads densely."""
         return self.indices.get(layer)
+
+    def compact(self, cache: KVCache, spare_rows: int, out: KVCache | None = None) -> KVCache:
+        """The view's slots gathered into a dense cache of ``K`` committed rows plus ``spare_rows`` of scratch.
+
+        Row j of KV head h at layer l is slot ``indices[l][h, j]`` of ``cache``. Every layer needs the same K
+        and distinct slots per head (a dense pass would count a repeated slot twice). ``out``, when large
+        enough, is reused (a drafter compacts once per round; no allocation then).
+        """
+        L = cache.num_layers
+        missing = [li for li in range(L) if li not in self.indices]
+        if missing:
+            raise ValueError(f"compact needs a view of every layer; layers {missing} have none")
+        idx = torch.stack([torch.as_tensor(self.indices[li]).to(cache.k.device) for li in range(L)])  # [L, Hkv, K]
+        K = idx.shape[-1]
+        srt = idx.sort(dim=-1).values
+        if K > 1 and bool((srt[..., 1:] == srt[..., :-1]).any()):
+            raise ValueError("compact needs distinct slots per head; a repeated slot would be attended twice")
+        if K and (int(idx.min()) < 0 or int(idx.max()) >= cache.length):
+            raise ValueError(f"view slots must lie in the committed context [0, {cache.length})")
+        _, B, Hkv, _, hd = cache.k.shape
+        if out is None or out.max_length < K + spare_rows or out.k.shape[1] != B:
+            out = KVCache(L, B, Hkv, hd, K + spare_rows, dtype=cache.k.dtype, device=cache.k.device)
+        index = idx[:, None, :, :, None].expand(L, B, Hkv, K, hd)  # [L, B, Hkv, K, hd]
+        out.k[:, :, :, :K] = torch.gather(cache.k, 3, index)
+        out.v[:, :, :, :K] = torch.gather(cache.v, 3, index)
+        out.length = K
+        return out
 
     @staticmethod
     def gather(idx: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,10 @@ explicitly to inherit those defaults, so the engine never probes a drafter for o
   target on the tree rows (early-exit self-speculation): a ``TargetOutput`` whose ``logits [1, N, V]``
   equal a full forward over the tree, with every layer's K/V of the tree rows written at the scratch
   slots ``cache.length + i``. Default ``None``: the engine runs ``target.forward``. The verifier is the same.
+- ``attention_rows()``: W, to be handed the attention mass the last W rows of the prefill and of every
+  verify pass put on each cache slot, per layer and KV head (``Target.forward(attn_mass_rows=W)``), as
+  ``state.attn_mass`` / ``out.attn_mass [L, Hkv, S]``. A by-product of the passes' own softmax. ``None``
+  (default): not computed.
 - ``reset(state)`` once per sequence after prefill, ``propose(state)`` and ``update(state, out)`` per round.
 - ``sequence_stats()`` once per sequence at the end: a flat ``{name: number}`` of what the drafter did
   (SpecBound's exit depths), kept in ``DecodeStats.drafter_stats`` and in answer records. Default ``None``.
@@ -40,7 +44,8 @@ How every method on the roadmap fits:
   go to scratch slots past ``cache.length``; the verify pass overwrites them, committed rows are never
   touched). A drafter whose draft rows are the tree rows (early exit) finishes them in ``verify_forward``
   instead of recomputing their shallow layers. Proposals carry their draft distribution
-  (``draft_probs``) when sampled, so the min(1, p/q) rule stays exact.
+  (``draft_probs``) when sampled, so the min(1, p/q) rule stays exact. A sparse-KV drafter asks for
+  ``attention_rows`` and ranks cache slots by the mass the verify pass already computed.
 - **Block drafters (DFlash).** A block of tokens proposed in one shot is a chain: ``DraftTree.chain``.
 - **Speculation caches (SSD/Saguaro).** The drafter pre-computes trees for likely verification outcomes
   while the target verifies; ``update(state, out)`` receives the exact outcome (``out.result.path`` +
@@ -114,6 +119,9 @@ class VerifyOutput:
     accepted_aux: torch.Tensor | None  # [kept, n_aux*d]
     extra: ExtraOutput | None  # outputs of the drafter's extra rows
     kept: int
+    # [L, Hkv, S] when the drafter asks for ``attention_rows``: the mass the pass's last rows put on each of
+    # its S = past + N slots (slots >= past are this pass's tree rows)
+    attn_mass: torch.Tensor | None = None
 
     @property
     def kept_path(self) -> list[int]:
@@ -137,6 +145,9 @@ class DecodeState:
     # prompt after prefill (what ``reset`` reads), then ``VerifyOutput.accepted_aux`` of the last round
     # (what ``extra_rows`` of the next round may key on).
     accepted_aux: torch.Tensor | None = None
+    # [L, Hkv, S] when the drafter asks for ``attention_rows``: the prefill's (at ``reset``), then the last
+    # verify pass's attention mass per slot
+    attn_mass: torch.Tensor | None = None
     scratch: dict = field(default_factory=dict)  # per-sequence drafter state, cleared by the engine
 
     @property
@@ -154,6 +165,11 @@ class Drafter(Protocol):
 
     def verify_rows(self, cfg) -> int | None:
         """Rows of the largest verify pass under ``cfg`` (tree + extra rows); ``None``: the engine default."""
+        return None
+
+    def attention_rows(self) -> int | None:
+        """W: the prefill and every verify pass report the attention mass of their last W rows per slot
+        (``state.attn_mass`` / ``out.attn_mass``); ``None``: not computed."""
         return None
 
     def extra_rows(self, state: DecodeState, tree: DraftTree) -> ExtraRows | None:

@@ -104,6 +104,16 @@ def _generator(cfg: GenerationConfig) -> torch.Generator | None:
     return torch.Generator().manual_seed(cfg.seed)
 
 
+def _mass(out, rows: int | None) -> torch.Tensor | None:
+    """The attention mass of a pass's output ``[L, Hkv, S]`` (batch 1) when the drafter asked for it."""
+    if not rows:
+        return None
+    if out.attn_mass is None:
+        raise RuntimeError("the drafter asks for attention_rows, but the verify pass returned no attn_mass "
+                           "(a drafter's verify_forward must pass attn_mass_rows on to the target)")
+    return out.attn_mass[:, 0]
+
+
 def _prefill(target, prompt_ids: list[int], cfg: GenerationConfig, scratch: int, aux_kw: dict):
     cache = target.new_cache(1, len(prompt_ids) + cfg.max_new_tokens + scratch)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)  # [1, P]
@@ -186,13 +196,17 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
     taps = drafter.aux_layers(target)
     # Targets without aux support (stubs) never see the keywords unless a drafter asks for aux states.
     aux_kw = {"return_aux": True, "aux_layer_ids": list(taps)} if taps else {}
+    mass_rows = drafter.attention_rows()
+    if mass_rows:  # like aux states: targets that cannot report it never see the keyword otherwise
+        aux_kw["attn_mass_rows"] = int(mass_rows)
     scratch = max(cfg.max_tree_rows, drafter.verify_rows(cfg) or 0)
     cache, out = _prefill(target, prompt_ids, cfg, scratch, aux_kw)
     root = int(sample(logits_to_probs(out.logits[0, -1], cfg.temperature, cfg.top_k, cfg.top_p), gen))
     new: list[int] = [root]
     state = DecodeState(target=target, cache=cache, tokens=list(prompt_ids) + [root], prompt_len=len(prompt_ids),
                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=gen,
-                        accepted_aux=out.aux_hidden[0] if out.aux_hidden is not None else None)
+                        accepted_aux=out.aux_hidden[0] if out.aux_hidden is not None else None,
+                        attn_mass=_mass(out, mass_rows))
     drafter.reset(state)  # a feature drafter runs its first pass here: part of the prefill cost
     stats.prefill_time = time.perf_counter() - t_start
     while len(new) < cfg.max_new_tokens and not (cfg.stop_on_eos and new[-1] in eos):
@@ -232,10 +246,11 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
         aux = vout.aux_hidden[0, :n] if vout.aux_hidden is not None else None  # [N, n_aux*d]
         # Only rows whose tokens were kept (a round cut at EOS / the budget keeps a prefix of the path).
         state.accepted_aux = aux[result.path[:kept]] if aux is not None else None  # [kept, n_aux*d]
+        state.attn_mass = _mass(vout, mass_rows)  # [L, Hkv, past + N]
         drafter.update(state, VerifyOutput(tree=tree, result=result, logits=logits, aux=aux,
                                            accepted_aux=state.accepted_aux,
                                            extra=_extra_output(vout, extra, n) if extra is not None else None,
-                                           kept=kept))
+                                           kept=kept, attn_mass=state.attn_mass))
         t3 = time.perf_counter()
         if trace:
             stats.trace.append(_round_trace(past, tree, logits, result, kept, trace_dtype))

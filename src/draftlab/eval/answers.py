@@ -8,10 +8,13 @@ A line, as Spec-Bench's ``evaluation/eval.py`` writes it::
                   "decoding_steps": [31, 40],                          # target verify passes per turn
                   "new_tokens": [120, 161],                            # generated tokens per turn
                   "wall_time": [1.92, 2.41],                           # seconds per turn
+                  "prefill_time": [0.31, 0.35],                        # of which prefill, per turn
                   "accept_lengths": [4, 3, 1, ...]}]}                  # per verify round, all turns pooled
 
 ``accept_lengths`` counts the tokens committed in each round, the bonus token included, so vanilla
-decoding writes a list of ones. Spec-Bench's name for the per-turn step count is ``decoding_steps``;
+decoding writes a list of ones. ``prefill_time`` (draftlab's addition, optional so that older files and
+Spec-Bench's own still load) is the part of each turn's ``wall_time`` spent on the prompt, which decode-only
+timing subtracts (``draftlab.eval.metrics``). Spec-Bench's name for the per-turn step count is ``decoding_steps``;
 it is kept so its own ``speed.py`` and ``equal.py`` read these files unchanged. Extra keys (in the record
 or in a choice) are allowed and kept.
 """
@@ -43,6 +46,7 @@ def answer_record(question, turns: Sequence, model_id: str, *, index: int = 0, *
         "decoding_steps": [t.stats.rounds for t in turns],
         "new_tokens": [t.stats.new_tokens for t in turns],
         "wall_time": [t.stats.wall_time for t in turns],
+        "prefill_time": [t.stats.prefill_time for t in turns],
         "accept_lengths": [a for t in turns for a in t.stats.accept_lengths],
     }
     drafter_stats = [getattr(t.stats, "drafter_stats", None) for t in turns]
@@ -105,9 +109,28 @@ def validate_answer(record: Any, *, file: str | Path | None = None, line: int | 
                         isinstance(v, (int, float)) and not isinstance(v, bool) for v in d.values())):
                     raise fail(f"expected null or an object of numbers, got {d!r}", f"{where}.drafter_stats[{i}]")
         for i, v in enumerate(choice["wall_time"]):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            if not _non_negative_number(v):
                 raise fail(f"expected a non-negative number, got {v!r}", f"{where}.wall_time[{i}]")
+        _check_prefill_time(choice, n_turns, where, fail)
     return record
+
+
+def _non_negative_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+def _check_prefill_time(choice: dict, n_turns: int, where: str, fail) -> None:
+    """``prefill_time``, when present: one non-negative number per turn, each within its turn's wall time."""
+    if "prefill_time" not in choice:
+        return
+    prefill = choice["prefill_time"]
+    if not isinstance(prefill, list) or len(prefill) != n_turns:
+        raise fail(f"expected a list with one entry per turn ({n_turns})", f"{where}.prefill_time")
+    for i, (p, wall) in enumerate(zip(prefill, choice["wall_time"])):
+        if not _non_negative_number(p):
+            raise fail(f"expected a non-negative number, got {p!r}", f"{where}.prefill_time[{i}]")
+        if p > wall:
+            raise fail(f"prefill time {p} exceeds the turn's wall_time {wall}", f"{where}.prefill_time[{i}]")
 
 
 def write_answer(path: str | Path, record: dict) -> None:

@@ -4,7 +4,11 @@ The definitions follow Spec-Bench's ``evaluation/speed.py``:
 
 * **τ** is ``mean`` of the *pooled* per-round ``accept_lengths`` of every question in a group (so a
   question with more rounds weighs more). It counts the bonus token and is 1.00 for vanilla decoding.
-* A question's throughput is ``sum(new_tokens) / sum(wall_time)`` over its turns.
+* A question's throughput is ``sum(new_tokens) / sum(wall_time)`` over its turns. With
+  ``timing="decode"`` it is ``sum(new_tokens) / (sum(wall_time) - sum(prefill_time))`` instead: on long
+  prompts a CPU prefill takes tens of seconds and would swamp the decoding being compared (the prefill
+  is the same for every method), so only the time after it counts. The token sampled from the prefill's
+  logits is still counted, as ``wall`` counts it.
 * **SR** is ``mean(method throughputs) / mean(baseline throughputs)`` over the questions of a group: a
   ratio of means of per-question throughputs, not a mean of per-question ratios.
 
@@ -47,12 +51,26 @@ def _choice(record: Mapping[str, Any]) -> Mapping[str, Any]:
     return record["choices"][0]
 
 
-def question_throughput(record: Mapping[str, Any]) -> float:
-    """Tokens per second of one answered question: ``sum(new_tokens) / sum(wall_time)`` over its turns."""
+Timing = Literal["wall", "decode"]
+TIMINGS = ("wall", "decode")
+
+
+def question_throughput(record: Mapping[str, Any], timing: Timing = "wall") -> float:
+    """Tokens per second of one answered question over its turns: ``sum(new_tokens) / sum(wall_time)``,
+    or with ``timing="decode"`` over the time after each turn's prefill (``wall_time - prefill_time``)."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be 'wall' or 'decode', got {timing!r}")
     choice = _choice(record)
     seconds = sum(choice["wall_time"])
+    what = "total wall_time"
+    if timing == "decode":
+        if not isinstance(choice.get("prefill_time"), list):
+            raise DataError(f"question {record['question_id']!r}: decode timing needs choices[0].prefill_time, "
+                            "which this answer file lacks (written before it was recorded?); use timing 'wall'")
+        seconds -= sum(choice["prefill_time"])
+        what = "decode time (wall_time - prefill_time)"
     if seconds <= 0:
-        raise DataError(f"question {record['question_id']!r}: total wall_time is {seconds}, cannot divide by it")
+        raise DataError(f"question {record['question_id']!r}: {what} is {seconds}, cannot divide by it")
     return sum(choice["new_tokens"]) / seconds
 
 
@@ -86,10 +104,10 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _summary(pairs: Sequence[tuple[Mapping, Mapping]]) -> dict[str, Any]:
+def _summary(pairs: Sequence[tuple[Mapping, Mapping]], timing: Timing) -> dict[str, Any]:
     pooled = [a for m, _ in pairs for a in _choice(m)["accept_lengths"]]
-    method_tps = _mean([question_throughput(m) for m, _ in pairs])
-    baseline_tps = _mean([question_throughput(b) for _, b in pairs])
+    method_tps = _mean([question_throughput(m, timing) for m, _ in pairs])
+    baseline_tps = _mean([question_throughput(b, timing) for _, b in pairs])
     speedup = method_tps / baseline_tps if method_tps is not None and baseline_tps else None
     return {"tau": _mean(pooled), "speedup": speedup, "n_questions": len(pairs),
             "method_tps": method_tps, "baseline_tps": baseline_tps}
@@ -109,6 +127,7 @@ def speed_metrics(
     column_of: Callable[[str], str | None] = category_column,
     categories: Iterable[str] | None = None,
     avg: Literal["pooled", "columns"] = "pooled",
+    timing: Timing = "wall",
 ) -> dict[str, Any]:
     """τ and SR of a method against its AR baseline, per category, per ConFu column and overall.
 
@@ -117,7 +136,7 @@ def speed_metrics(
         {"columns":    {"WRIT": {"tau", "speedup", "n_questions", "method_tps", "baseline_tps"}, ...},
          "categories": {"writing": {...same keys...}, ...},
          "AVG":        {...same keys...},
-         "avg": "pooled" | "columns"}
+         "avg": "pooled" | "columns", "timing": "wall" | "decode"}
 
     Every group is computed from its questions as ``speed.py`` does for one task (pooled τ, ratio of
     mean throughputs). ``column_of`` maps a category to its table column (``"math"`` -> ``"M/R"``); a
@@ -132,9 +151,14 @@ def speed_metrics(
 
     ``categories`` keeps only those categories' questions, so ``AVG`` becomes the pooled figure of that
     subset; naming a category the method answers lack is an error.
+
+    ``timing`` picks what a question's throughput divides by (see the module docstring): ``"wall"``
+    (Spec-Bench's) or ``"decode"`` (wall time less prefill time; needs ``prefill_time`` in both files).
     """
     if avg not in ("pooled", "columns"):
         raise ValueError(f"avg must be 'pooled' or 'columns', got {avg!r}")
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be 'wall' or 'decode', got {timing!r}")
     method = _records(method_answers)
     baseline = _records(baseline_answers)
     if categories is not None:
@@ -157,12 +181,13 @@ def speed_metrics(
         if column is not None:
             by_column.setdefault(column, []).append(pair)
     order = [c for c in CONFU_COLUMNS if c in by_column] + [c for c in by_column if c not in CONFU_COLUMNS]
-    columns = {c: _summary(by_column[c]) for c in order}
+    columns = {c: _summary(by_column[c], timing) for c in order}
     result = {
         "columns": columns,
-        "categories": {c: _summary(p) for c, p in by_category.items()},
-        "AVG": _summary(pairs) if avg == "pooled" else _mean_of_columns(columns),
+        "categories": {c: _summary(p, timing) for c, p in by_category.items()},
+        "AVG": _summary(pairs, timing) if avg == "pooled" else _mean_of_columns(columns),
         "avg": avg,
+        "timing": timing,
     }
     return result
 

@@ -5,7 +5,11 @@ state), each turn conditioned on that run's own earlier answers; further drafter
 training-free baselines a table sets beside a learned draft) answer right after them and are scored
 against the same AR answers. Answers go to Spec-Bench answer files
 (``<out>/answers/baseline.jsonl``, ``<out>/answers/<method>.jsonl``); τ and SR are computed from those
-files exactly as Spec-Bench's ``speed.py`` does (``draftlab.eval.metrics``).
+files exactly as Spec-Bench's ``speed.py`` does (``draftlab.eval.metrics``), over wall time or, with
+``timing="decode"``, over the time after each prefill.
+
+Tables and flat metrics show the ConFu columns, then every category that has no column (long-context
+and custom benchmarks: their numbers are still reported, just not folded into a column), then AVG.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from draftlab.data.benchmarks import Question, category_column
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
 from draftlab.eval.answer import answer_question
 from draftlab.eval.answers import answer_record, load_answers, write_answer
-from draftlab.eval.metrics import accept_histogram, mismatched_questions, speed_metrics
+from draftlab.eval.metrics import TIMINGS, Timing, accept_histogram, mismatched_questions, speed_metrics
 from draftlab.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -39,12 +43,13 @@ class EvalResult:
     mismatched_ids: list = field(default_factory=list)
     answer_files: dict[str, str] = field(default_factory=dict)
     others: dict[str, EvalResult] = field(default_factory=dict)  # name -> the same scores of each other drafter
+    timing: Timing = "wall"  # what throughputs divide by: wall time, or decode time (wall less prefill)
 
     def flat_metrics(self, prefix: str = "eval") -> dict[str, float]:
-        """``eval/<bench>/<COLUMN>/{tau,speedup}`` (plus AVG and the mismatch count), W&B-style keys."""
+        """``eval/<bench>/<COLUMN>/{tau,speedup}`` (plus categories without a column, AVG and the mismatch
+        count), W&B-style keys."""
         out: dict[str, float] = {}
-        groups = dict(self.metrics["columns"]) | {"AVG": self.metrics["AVG"]}
-        for col, m in groups.items():
+        for col, m in report_groups(self.metrics).items():
             for key in ("tau", "speedup", "method_tps", "baseline_tps"):
                 if m.get(key) is not None:
                     out[f"{prefix}/{self.bench}/{col}/{key}"] = float(m[key])
@@ -61,9 +66,12 @@ def _limit_turns(q: Question, max_turns: int | None) -> Question:
 
 def run_benchmark(target, questions: list[Question], drafter, gen: GenerationConfig, out_dir: str | Path, *,
                   bench: str, method: str, warmup: int = 1, max_turns: int | None = None,
-                  others: Mapping[str, Any] | None = None) -> EvalResult:
+                  others: Mapping[str, Any] | None = None, timing: Timing = "wall") -> EvalResult:
     """Answer ``questions`` with the AR baseline, ``drafter`` and each of ``others`` (name -> drafter, each
-    with its own GenerationConfig scratch rows); write answers; score each against the AR answers."""
+    with its own GenerationConfig scratch rows); write answers; score each against the AR answers, with
+    throughputs over wall time or decode time (``timing``)."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be 'wall' or 'decode', got {timing!r}")
     out = Path(out_dir) / "answers"
     out.mkdir(parents=True, exist_ok=True)
     others = dict(others or {})
@@ -102,15 +110,16 @@ def run_benchmark(target, questions: list[Question], drafter, gen: GenerationCon
         load_answers(tmp)
         os.replace(tmp, final)
     base_answers = load_answers(base_path)
-    result = _score(bench, method, gen, load_answers(method_path), base_answers, base_path, method_path)
-    result.others = {name: _score(bench, name, others[name][1], load_answers(path), base_answers, base_path, path)
+    result = _score(bench, method, gen, load_answers(method_path), base_answers, base_path, method_path, timing)
+    result.others = {name: _score(bench, name, others[name][1], load_answers(path), base_answers, base_path, path,
+                                  timing)
                      for name, path in other_paths.items()}
     return result
 
 
 def _score(bench: str, method: str, gen: GenerationConfig, method_answers, base_answers, base_path: Path,
-           method_path: Path) -> EvalResult:
-    metrics = speed_metrics(method_answers, base_answers, column_of=_column_or_none)
+           method_path: Path, timing: Timing) -> EvalResult:
+    metrics = speed_metrics(method_answers, base_answers, column_of=_column_or_none, timing=timing)
     mismatched = mismatched_questions(method_answers, base_answers) if gen.temperature == 0 else []
     if mismatched:
         log.error("%s: %d question(s) differ from AR at T=0: %s", method, len(mismatched), mismatched[:10])
@@ -118,7 +127,7 @@ def _score(bench: str, method: str, gen: GenerationConfig, method_answers, base_
                       accept_histogram=accept_histogram(method_answers),
                       mismatches_vs_ar=len(mismatched) if gen.temperature == 0 else None,
                       mismatched_ids=list(mismatched),
-                      answer_files={"baseline": str(base_path), method: str(method_path)})
+                      answer_files={"baseline": str(base_path), method: str(method_path)}, timing=timing)
 
 
 def _column_or_none(category: str) -> str | None:
@@ -129,16 +138,31 @@ def _column_or_none(category: str) -> str | None:
         return None
 
 
+def report_groups(metrics: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The rows a table reports: the ConFu columns, then each category without a column, then ``AVG``.
+
+    A long-context category (``gov_report_summ``, ``niah_16k``) has no ConFu column; listing it by name
+    keeps its τ and SR visible instead of only inside AVG. Column names are upper case and categories
+    lower case, so the two never collide.
+    """
+    groups = dict(metrics["columns"])
+    for category, m in metrics["categories"].items():
+        if _column_or_none(category) is None:
+            groups[category] = m
+    groups["AVG"] = metrics["AVG"]
+    return groups
+
+
 def format_table(result: EvalResult) -> str:
     """A fixed-width per-column table: τ, SR, tok/s of method and baseline, question count."""
     rows = [("column", "n", "tau", "SR", "tok/s", "AR tok/s")]
-    groups = dict(result.metrics["columns"]) | {"AVG": result.metrics["AVG"]}
-    for col, m in groups.items():
+    for col, m in report_groups(result.metrics).items():
         rows.append((col, str(m.get("n_questions", "")), f"{m['tau']:.2f}", f"{m['speedup']:.2f}",
                      f"{m['method_tps']:.1f}", f"{m['baseline_tps']:.1f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    head = (f"{result.bench} | {result.method} | T={result.gen.temperature} | max_new_tokens={result.gen.max_new_tokens}")
+    head = (f"{result.bench} | {result.method} | T={result.gen.temperature} | max_new_tokens={result.gen.max_new_tokens}"
+            f" | timing={result.timing}")
     tail = "" if result.mismatches_vs_ar is None else f"\noutputs differing from AR: {result.mismatches_vs_ar}"
     return head + "\n" + "\n".join(lines) + tail
 
@@ -148,13 +172,14 @@ def format_comparison(result: EvalResult, labels: Mapping[str, str] | None = Non
     which training-free drafter did best on the average."""
     labels = dict(labels or {})
     runs = [result, *result.others.values()]
-    cols = list(result.metrics["columns"])
+    cols = [c for c in report_groups(result.metrics) if c != "AVG"]
     rows = [("", *cols, "AVG tau", "AVG SR")]
     names = [labels.get(r.method, r.method) for r in runs]
     # One method at several settings (tree sizes as baselines) shares a label: name each row's setting too.
     names = [f"{n} [{r.method}]" if names.count(n) > 1 else n for n, r in zip(names, runs)]
     for r, name in zip(runs, names):
-        rows.append((name, *(f"{r.metrics['columns'][c]['speedup']:.2f}" for c in cols),
+        cells = report_groups(r.metrics)
+        rows.append((name, *(f"{cells[c]['speedup']:.2f}" for c in cols),
                      f"{r.metrics['AVG']['tau']:.2f}", f"{r.metrics['AVG']['speedup']:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]

@@ -9,6 +9,12 @@ process and are scored against the same AR answers: what a learned draft buys ov
 side by side (``eval_comparison.txt``) and kept in the record (``eval.baselines``). A training-free baseline
 builds its own drafter; a trainable one drafts from this run's draft, so it must read the main method's
 artifact format (the same ``artifact`` block), e.g. a learned draft with lookup candidates merged in.
+
+Every bench is loaded with the target's tokenizer (a long-context bench fits its prompts to the budget
+with it; others ignore it). A bench with ``scored(category)`` (``LongContextBench``: NIAH) has the answers
+of those categories scored by whether the reference appears in them, for AR, the method and each
+baseline (``record["scores"]``, ``eval/<bench>/found/<name>``). ``eval.timing`` picks wall-clock or
+decode-only throughputs (wall time less prefill time: a long prompt's prefill would swamp the decoding).
 """
 
 from __future__ import annotations
@@ -21,8 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftlab import tracking
 from draftlab.decoding.engine import GenerationConfig
+from draftlab.eval.metrics import TIMINGS
+from draftlab.eval.scoring import bench_scores, format_scores
 from draftlab.methods.registry import MethodSpec
 from draftlab.utils.atomic import atomic_write_text
+from draftlab.utils.errors import ConfigError
+
+AR_SCORE_NAME = "ar"  # the AR baseline's entry in record["scores"]
 
 
 def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
@@ -44,14 +55,19 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
     from draftlab.eval.runner import format_comparison, format_table, run_benchmark
 
     spec = MethodSpec(cfg.method)
+    timing = eval_timing(cfg)
     bench = instantiate(cfg.bench, _convert_="object")
-    questions = bench.load()
+    questions = bench.load(tokenizer=target.tokenizer)
     gen = generation_config(cfg, drafter)
     others, bspecs = baseline_drafters(cfg, draft)
+    if AR_SCORE_NAME in others:
+        raise ConfigError(f"the name '{AR_SCORE_NAME}' is the AR baseline's in the scores; rename this baseline",
+                          field=f"eval.baselines.{AR_SCORE_NAME}")
     labels = {n: b.label for n, b in bspecs.items()}
     labels[spec.name] = spec.label
     res = run_benchmark(target, questions, drafter, gen, run_dir, bench=bench.name, method=spec.name,
-                        warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"), others=others)
+                        warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"), others=others,
+                        timing=timing)
     table = format_table(res)
     print(table)
     atomic_write_text(run_dir / "eval_table.txt", table + "\n")
@@ -75,9 +91,34 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
               "categories": res.metrics["categories"],
               "accept_lengths": {str(k): v for k, v in res.accept_histogram.items()},
               "mismatches_vs_ar": res.mismatches_vs_ar, "answer_files": res.answer_files,
-              "baselines": baselines}
+              "baselines": baselines, "timing": timing}
+    scores = _reference_scores(bench, questions, res)
+    if scores:
+        print(format_scores(bench.name, scores))
+        record["scores"] = scores
+        metrics.update({f"eval/{bench.name}/found/{name}": s["found"] / s["n"] for name, s in scores.items()})
     _log_to_wandb(loggers or [], res, metrics)
     return record, metrics
+
+
+def eval_timing(cfg: DictConfig) -> str:
+    """``eval.timing`` (default ``wall``), checked before anything decodes."""
+    timing = cfg.eval.get("timing", "wall")
+    if timing not in TIMINGS:
+        raise ConfigError(f"expected one of {', '.join(TIMINGS)}, got {timing!r}", field="eval.timing")
+    return str(timing)
+
+
+def _reference_scores(bench, questions, res) -> dict[str, dict[str, Any]]:
+    """Reference-found scores of AR, the method and each baseline, for a bench that scores some categories
+    (``bench.scored``); ``{}`` for the others (Spec-Bench, MT-bench) and when no scored question ran."""
+    scored = getattr(bench, "scored", None)
+    if scored is None:
+        return {}
+    files = {AR_SCORE_NAME: res.answer_files["baseline"], res.method: res.answer_files[res.method]}
+    files.update({name: r.answer_files[name] for name, r in res.others.items()})
+    return bench_scores(scored, questions, files)
+
 
 
 def baseline_specs(cfg: DictConfig, *, has_draft: bool) -> dict[str, MethodSpec]:
@@ -122,8 +163,10 @@ def _log_to_wandb(loggers: list, res, metrics: dict[str, float]) -> None:
     import wandb
 
     run.log({k: v for k, v in metrics.items() if k.startswith("eval/")})
+    from draftlab.eval.runner import report_groups
+
     cols = ["column", "n_questions", "tau", "speedup", "method_tps", "baseline_tps"]
-    groups = dict(res.metrics["columns"]) | {"AVG": res.metrics["AVG"]}
+    groups = report_groups(res.metrics)
     table = wandb.Table(columns=cols, data=[[c] + [m.get(k) for k in cols[1:]] for c, m in groups.items()])
     hist = wandb.Table(columns=["accept_length", "rounds"], data=[[int(k), int(v)] for k, v in res.accept_histogram.items()])
     run.log({f"eval/{res.bench}/table": table,

@@ -24,9 +24,11 @@ log = get_logger(__name__)
 
 def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
     """Run one job; returns its record (also written to ``<run dir>/record.json``)."""
-    from draftlab.stages.evaluate import evaluate
+    from draftlab.stages.evaluate import eval_timing, evaluate
     from draftlab.stages.train import train_draft
 
+    if cfg.eval.enabled:
+        eval_timing(cfg)  # a typo in eval.timing fails now, not after training
     ctx = tracking.hydra_context()
     git = tracking.git_info()  # the code this job runs, not what HEAD is when it ends
     run_dir = Path(ctx.get("output_dir") or cfg.paths.output_dir)

@@ -67,6 +67,8 @@ class TargetOutput:
     logits: torch.Tensor  # [B, T, V] (only the requested rows when ``logits_rows`` is given)
     aux_hidden: torch.Tensor | None  # [B, T, n_aux * d], concatenated in the configured order
     last_hidden: torch.Tensor | None = None  # [B, T, d] after the final norm
+    # [L, B, Hkv, S] with ``forward(attn_mass_rows=W)``: attention mass the last W rows put on each slot
+    attn_mass: torch.Tensor | None = None
 
 
 @dataclass
@@ -116,11 +118,14 @@ class Target(Protocol):
                 cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *, return_aux: bool = False,
                 return_last_hidden: bool = False, logits_rows: torch.Tensor | None = None,
                 input_embeds: torch.Tensor | None = None, aux_layer_ids: list[int] | None = None,
-                pinned: PinnedKV | None = None, pinned_mask: torch.Tensor | None = None) -> TargetOutput:
+                pinned: PinnedKV | None = None, pinned_mask: torch.Tensor | None = None,
+                attn_mass_rows: int | None = None) -> TargetOutput:
         """T new rows (ids [B, T] or ``input_embeds [B, T, d]``) through the whole model, writing scratch KV.
 
         ``pinned`` rows (keys computed once, outside the cache) are readable too, where ``pinned_mask
-        [B|1, T, P]`` allows (default: by every row)."""
+        [B|1, T, P]`` allows (default: by every row). ``attn_mass_rows=W`` adds ``attn_mass [L, B, Hkv, S]``
+        (S = past + T): per layer and KV head, the attention probability the last W rows put on each slot,
+        summed over the W rows and the head's query heads."""
         ...
 
     def forward_with_grad(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

@@ -43,14 +43,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float) -> torch.Tensor:
-    """Attention for a few query rows against a long cache, heads grouped onto their shared KV head.
+def grouped_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention probabilities of a few query rows, heads grouped onto their shared KV head.
 
-    q [B, H, T, hd], k/v [B, Hkv, S, hd], mask bool [B|1, 1|Hkv, T, S] or None -> [B, H, T, hd] (a per-KV-head
-    mask is what a sparse read view needs: each head reads its own slots).
-    On CPU, PyTorch's fused SDPA kernel costs milliseconds per call for T=1 (it is built for long
-    queries); two small matmuls cost microseconds. Used for decode steps and verify passes.
+    q [B, H, T, hd], k [B, Hkv, S, hd], mask bool [B|1, 1|Hkv, T, S] or None -> probs [B, Hkv, G, T, S]
+    (G = H // Hkv; query head h = kv * G + g). A per-KV-head mask is what a sparse read view needs.
     """
     B, H, T, hd = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -59,8 +56,28 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).view(B, Hkv, G, T, S)  # [B, Hkv, G, T, S]
     if mask is not None:
         scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))  # mask [B|1, 1|Hkv, 1, T, S]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(B, Hkv, G * T, S)
-    return torch.matmul(probs, v).view(B, H, T, hd)
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention for a few query rows against a long cache: q [B, H, T, hd], k/v [B, Hkv, S, hd] -> [B, H, T, hd].
+
+    On CPU, PyTorch's fused SDPA kernel costs milliseconds per call for T=1 (it is built for long
+    queries); two small matmuls cost microseconds. Used for decode steps and verify passes. ``probs``:
+    ``grouped_probs`` already computed by the caller (who also reads them).
+    """
+    B, H, T, hd = q.shape
+    Hkv, S = v.shape[1], v.shape[2]
+    if probs is None:
+        probs = grouped_probs(q, k, mask, scale)
+    return torch.matmul(probs.view(B, Hkv, (H // Hkv) * T, S), v).view(B, H, T, hd)
+
+
+def attention_mass(probs: torch.Tensor, rows: int) -> torch.Tensor:
+    """Mass the last ``rows`` query rows put on each key, summed over those rows and each KV head's query
+    heads: probs [B, Hkv, G, T, S] -> [B, Hkv, S] (float32). What a sparse-KV drafter ranks slots by."""
+    return probs[:, :, :, -rows:].sum(dim=(2, 3), dtype=torch.float32)
 
 
 # Above this many query rows the fused SDPA kernel wins (prefill).
@@ -247,7 +264,7 @@ class HFTarget:
                 return_aux: bool = False, return_last_hidden: bool = False,
                 logits_rows: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None,
                 aux_layer_ids: list[int] | None = None, pinned: PinnedKV | None = None,
-                pinned_mask: torch.Tensor | None = None) -> TargetOutput:
+                pinned_mask: torch.Tensor | None = None, attn_mass_rows: int | None = None) -> TargetOutput:
         """Run the target on T new rows.
 
         input_ids    [B, T]; or ``input_embeds [B, T, d]`` for rows that are not vocabulary tokens.
@@ -260,10 +277,14 @@ class HFTarget:
                      ``self.aux_layer_ids``. Methods pass the layers they tap, so taps are a method setting.
         pinned       ``PinnedKV`` rows every layer may also attend to (keys computed once, e.g. soft prompts);
                      ``pinned_mask`` bool [B|1, T, P] or [T, P] says which row sees which (default: all).
+        attn_mass_rows  W: also return ``attn_mass [L, B, Hkv, S]``, the attention probability the last W
+                     rows put on each of the S = past + T slots at every layer, summed over those rows and
+                     over each KV head's query heads (the importance signal of sparse-KV drafting). A pass of
+                     a few rows reads it off its own softmax; a long pass (fused SDPA) scores the W rows again.
         """
         return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
                                 logits_rows, input_embeds, write_cache=True, aux_layer_ids=aux_layer_ids,
-                                pinned=pinned, pinned_mask=pinned_mask)
+                                pinned=pinned, pinned_mask=pinned_mask, attn_mass_rows=attn_mass_rows)
 
     def forward_with_grad(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                           cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *,
@@ -271,7 +292,7 @@ class HFTarget:
                           logits_rows: torch.Tensor | None = None,
                           input_embeds: torch.Tensor | None = None,
                           aux_layer_ids: list[int] | None = None, pinned: PinnedKV | None = None,
-                          pinned_mask: torch.Tensor | None = None) -> TargetOutput:
+                          pinned_mask: torch.Tensor | None = None, attn_mass_rows: int | None = None) -> TargetOutput:
         """``forward`` under the caller's grad mode, differentiable w.r.t. ``input_embeds`` (the weights stay frozen).
 
         The cache is only read: the new rows attend to its committed slots ``[0, cache.length)`` (as stored,
@@ -281,7 +302,7 @@ class HFTarget:
         """
         return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
                                 logits_rows, input_embeds, write_cache=False, aux_layer_ids=aux_layer_ids,
-                                pinned=pinned, pinned_mask=pinned_mask)
+                                pinned=pinned, pinned_mask=pinned_mask, attn_mass_rows=attn_mass_rows)
 
     # ------------------------------------------------------------------------------------------------
     # pieces of the forward, for drafters that run the target's own layers
@@ -364,6 +385,8 @@ class _Rows:
     layer_masks: dict[int, torch.Tensor] | None = None
     pinned: PinnedKV | None = None  # rows outside the cache that every layer may also read
     pinned_mask: torch.Tensor | None = None  # bool [B|1, 1, T, P]
+    mass_rows: int = 0  # > 0: collect each layer's attention mass of the last ``mass_rows`` rows
+    masses: list[torch.Tensor] | None = None  # per layer [B, Hkv, S], filled by ``_decoder_layer``
 
     def row_slots(self, device: torch.device) -> torch.Tensor:
         T = self.cos.shape[2]
@@ -472,15 +495,35 @@ def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: _Rows, cache: 
         v = torch.cat([cache.v[li, :, :, :r.past], v], dim=2)  # [B, Hkv, S, hd]
     if r.pinned is not None:
         k, v, mask = _with_pinned(r, li, k, v, mask)  # [B, Hkv, P + S', hd], mask [B|1, 1|Hkv, T, P + S']
+    probs = None
     if T <= _GROUPED_ATTENTION_MAX_ROWS:
-        o = grouped_attention(q, k, v, mask, w["scaling"])  # [B, H, T, hd]
+        probs = grouped_probs(q, k, mask, w["scaling"])  # [B, Hkv, G, T, S']
+        o = grouped_attention(q, k, v, mask, w["scaling"], probs)  # [B, H, T, hd]
     else:
+        sdpa_mask = mask
         if mask is not None and mask.shape[1] != 1 and Hkv != H:
-            mask = mask.repeat_interleave(H // Hkv, dim=1)  # per-KV-head view mask -> [B|1, H, T, K + T]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w["scaling"], enable_gqa=Hkv != H)
+            sdpa_mask = mask.repeat_interleave(H // Hkv, dim=1)  # per-KV-head view mask -> [B|1, H, T, K + T]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=w["scaling"], enable_gqa=Hkv != H)
+    if r.mass_rows:
+        r.masses.append(_layer_mass(r, q, k, mask, probs, w["scaling"]))  # [B, Hkv, S]
     x = x + _linear(o.transpose(1, 2).reshape(B, T, H * hd), w["wo"], w["bo"])
     gate, up = _linear(F.rms_norm(x, (d,), w["ln2"], w["eps2"]), w["wgu"]).chunk(2, dim=-1)
     return x + _linear(w["act"](gate) * up, w["wd"])
+
+
+def _layer_mass(r: _Rows, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, probs: torch.Tensor | None,
+                scale: float) -> torch.Tensor:
+    """``attention_mass`` of the last ``r.mass_rows`` rows over cache slots [0, S) -> [B, Hkv, S].
+
+    ``probs`` of a grouped pass are reused; after fused SDPA (a long prefill) only the W rows are scored
+    again, a W x S product per head. Pinned rows sit in front of the keys and are left out.
+    """
+    W = min(r.mass_rows, q.shape[2])
+    if probs is None:
+        rows_mask = None if mask is None else mask[..., -W:, :]  # [B|1, 1|Hkv, W, S']
+        probs = grouped_probs(q[:, :, -W:], k, rows_mask, scale)  # [B, Hkv, G, W, S']
+    mass = attention_mass(probs, W)  # [B, Hkv, S']
+    return mass[..., mass.shape[-1] - r.S:]  # drop pinned columns: [B, Hkv, S]
 
 
 def _with_pinned(r: _Rows, li: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
@@ -546,12 +589,16 @@ def _run_layers(target: HFTarget, x: torch.Tensor, start: int, end: int, r: _Row
 def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
                      logits_rows, input_embeds, *, write_cache: bool,
                      aux_layer_ids: list[int] | None = None, pinned: PinnedKV | None = None,
-                     pinned_mask: torch.Tensor | None = None) -> TargetOutput:
+                     pinned_mask: torch.Tensor | None = None, attn_mass_rows: int | None = None) -> TargetOutput:
     # The body of ``HFTarget.forward`` / ``forward_with_grad``: embed -> layers [0, L) -> norm / LM head, the
     # same layer code as ``forward_layers``; only the cache handling differs (scratch write vs read-only).
     target._decoder()
     x = target.embed(input_ids) if input_embeds is None else input_embeds.to(target.dtype)  # [B, T, d]
     r = _prepare(target, x, position_ids, cache, attn_mask, None, write_cache, pinned, pinned_mask)
+    if attn_mass_rows:
+        if int(attn_mass_rows) < 0:
+            raise ValueError(f"attn_mass_rows must be a positive number of rows, got {attn_mass_rows}")
+        r.mass_rows, r.masses = int(attn_mass_rows), []
     taps = target.check_layer_ids(aux_layer_ids) if aux_layer_ids is not None else target.aux_layer_ids
     want_aux = return_aux and bool(taps)
     x, captured = _run_layers(target, x, 0, target.geometry.num_layers, r, cache, None, taps if want_aux else ())
@@ -563,4 +610,5 @@ def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask
         hidden = last if last is not None else target.final_norm(x)  # [B, T, d]
     else:
         hidden = last[:, logits_rows] if last is not None else target.final_norm(x[:, logits_rows])  # [B, R, d]
-    return TargetOutput(logits=target.lm_head(hidden, norm=False), aux_hidden=aux, last_hidden=last)
+    mass = torch.stack(r.masses) if r.mass_rows else None  # [L, B, Hkv, S]
+    return TargetOutput(logits=target.lm_head(hidden, norm=False), aux_hidden=aux, last_hidden=last, attn_mass=mass)

@@ -53,6 +53,15 @@ class Checked(Drafter):
     def extra_rows(self, state, tree):
         return self.inner.extra_rows(state, tree)
 
+    def attention_rows(self):
+        return self.inner.attention_rows()
+
+    def verify_forward(self, state, tree):
+        return self.inner.verify_forward(state, tree)
+
+    def sequence_stats(self):
+        return self.inner.sequence_stats()
+
     def reset(self, state):
         self.inner.reset(state)
 

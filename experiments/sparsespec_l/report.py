@@ -1,0 +1,130 @@
+"""Tables and the efficiency-inversion plot of one ``experiment=sparsespec_l_long`` evaluation run.
+
+    python experiments/sparsespec_l/report.py runs/sparsespec_l/eval --out experiments/sparsespec_l/table
+
+Reads the run's record and answer files. SR is decode-only throughput (tokens / (wall - prefill), as the
+run's ``eval.timing=decode``) over AR's on the same prompts, as a ratio of mean per-prompt throughputs
+(Spec-Bench's ``speed.py``); τ the mean tokens per verify round; k, draft acceptance and the KV fraction a
+draft step reads come from the drafter's ``sequence_stats`` in the answers. Writes ``<out>.md`` and the
+plot ``<out>_inversion.png`` (SR and τ against fixed k, the controller at its mean k).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+
+from analysis.results import load_records
+from draftlab.eval.answers import load_answers
+from draftlab.eval.metrics import question_throughput
+from draftlab.utils.atomic import atomic_write_text
+
+
+def _stats(answers: list[dict]) -> dict[str, float]:
+    """Round-weighted means of the drafter's per-turn numbers (empty for drafters that report none)."""
+    sums, weight = defaultdict(float), 0.0
+    for a in answers:
+        for d, rounds in zip(a["choices"][0].get("drafter_stats") or [], a["choices"][0]["decoding_steps"]):
+            if d:
+                weight += rounds
+                for k, v in d.items():
+                    sums[k] += v * rounds
+    return {k: v / weight for k, v in sums.items()} if weight else {}
+
+
+def summarise(answers: list[dict], base: dict, found: dict | None) -> dict:
+    def sr(rows):
+        m = [question_throughput(a, "decode") for a in rows]
+        b = [question_throughput(base[a["question_id"]], "decode") for a in rows]
+        return (sum(m) / len(m)) / (sum(b) / len(b))
+
+    cats = defaultdict(list)
+    for a in answers:
+        cats[a["category"]].append(a)
+    acc = [x for a in answers for x in a["choices"][0]["accept_lengths"]]
+    tps = [question_throughput(a, "decode") for a in answers]
+    return {"sr": sr(answers), "tau": sum(acc) / len(acc), "tps": sum(tps) / len(tps),
+            "categories": {c: sr(rows) for c, rows in sorted(cats.items())}, "stats": _stats(answers),
+            "found": None if found is None else f"{found['found']}/{found['n']}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", type=Path, help="the evaluation run directory (or its record.json)")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    records = [r for r in load_records(a.run) if r.data.get("eval")]
+    if not records:
+        raise SystemExit(f"{a.run}: no evaluation record")
+    ev = records[0].data["eval"]
+    files, labels = dict(ev["answer_files"]), {ev["method"]: ev["label"]}
+    for name, b in (ev.get("baselines") or {}).items():
+        files.update({k: v for k, v in b["answer_files"].items() if k != "baseline"})
+        labels[name] = b["label"]
+    here = records[0].path.parent / "answers"  # a record copied out of its run keeps its answers beside it
+    files = {k: v if Path(v).exists() else str(here / Path(v).name) for k, v in files.items()}
+    base_answers = load_answers(files.pop("baseline"))
+    base = {x["question_id"]: x for x in base_answers}
+    scores = ev.get("scores") or {}
+    rows = {name: summarise(load_answers(path), base, scores.get(name)) for name, path in files.items()}
+    ar_tps = sum(question_throughput(x, "decode") for x in base_answers) / len(base_answers)
+    cats = list(next(iter(rows.values()))["categories"])
+
+    lines = [f"SmolLM2-135M-Instruct, {len(base)} long-context prompts ({', '.join(cats)}), "
+             f"{ev['max_new_tokens']} new tokens, T = {ev['temperature']}, decode-only timing; AR "
+             f"{ar_tps:.2f} tok/s. mismatches vs AR: "
+             + ", ".join(f"{n} {ev['mismatches_vs_ar'] if n == ev['method'] else ev['baselines'][n]['mismatches_vs_ar']}"
+                         for n in rows) + ".", "",
+             "| setting | SR | τ | tok/s | mean k | draft accept | KV read / draft step | draft step ms | "
+             "verify ms | NIAH found |", "| --- |" + " ---: |" * 9]
+    for name, r in rows.items():
+        s = r["stats"]
+
+        def f(key, fmt, s=s):
+            return format(s[key], fmt) if key in s else "—"
+
+        lines.append(f"| {labels.get(name, name)} | {r['sr']:.2f} | {r['tau']:.2f} | {r['tps']:.2f} | "
+                     f"{f('k_mean', '.2f')} | {f('draft_accept_rate', '.3f')} | {f('kv_read_fraction', '.3f')} | "
+                     f"{f('draft_step_ms', '.1f')} | {f('verify_ms', '.1f')} | {r['found'] or '—'} |")
+    if "ar" in scores:
+        lines.append(f"| AR | 1.00 | 1.00 | {ar_tps:.2f} | — | — | 1 | — | — | "
+                     f"{scores['ar']['found']}/{scores['ar']['n']} |")
+    lines += ["", "SR per prompt category:", "", "| setting | " + " | ".join(cats) + " |",
+              "| --- |" + " ---: |" * len(cats)]
+    for name, r in rows.items():
+        lines.append(f"| {labels.get(name, name)} | " + " | ".join(f"{r['categories'][c]:.2f}" for c in cats) + " |")
+    atomic_write_text(a.out.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    fixed = sorted(((rows[n]["stats"]["k_mean"], rows[n]) for n in rows
+                    if n.startswith("k") and n[1:].isdigit() and rows[n]["stats"]), key=lambda t: t[0])
+    if not fixed:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = [k for k, _ in fixed]
+    ax.plot(ks, [r["sr"] for _, r in fixed], "o-", label="SR, fixed k")
+    ctl = rows[ev["method"]]
+    ax.plot([ctl["stats"]["k_mean"]], [ctl["sr"]], "r*", ms=14, label="SR, entropy controller (mean k)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("draft tokens per round (k)")
+    ax.set_ylabel("speed-up over AR (decode-only)")
+    ax2 = ax.twinx()
+    ax2.plot(ks, [r["tau"] for _, r in fixed], "s--", color="tab:green", alpha=0.6, label="τ, fixed k")
+    ax2.set_ylabel("τ (tokens per round)")
+    ax.set_title("SparseSpec-L on SmolLM2-135M, long context (10 % KV view)")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(a.out.parent / f"{a.out.name}_inversion.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
