@@ -313,6 +313,22 @@ def load_records(*paths: str | Path, kind: str | None = None, baselines: bool = 
 
 
 
+def eval_answer_files(path: str | Path) -> tuple[dict, dict[str, str]]:
+    """(the ``eval`` block, {name: answer file}) of the first evaluation record under ``path``: the run's
+    method, ``baseline`` (AR) and every ``eval.baselines`` drafter. A record copied out of its run
+    (``experiments/*/records``) keeps its answers beside it in ``answers/``, where they are looked up when
+    the recorded paths no longer exist."""
+    records = [r for r in load_records(path, baselines=False) if r.data.get("eval")]
+    if not records:
+        raise RecordError(f"{path}: no evaluation record")
+    ev = records[0].data["eval"]
+    files = dict(ev["answer_files"])
+    for b in (ev.get("baselines") or {}).values():
+        files.update({k: v for k, v in b.get("answer_files", {}).items() if k != "baseline"})
+    here = records[0].path.parent / "answers"
+    return ev, {k: v if Path(v).exists() else str(here / Path(v).name) for k, v in files.items()}
+
+
 def training_record(path: str | Path) -> Record:
     """The one record with a training history under ``path`` (a run directory or its record.json); a clear
     error when there is none or more than one (a sweep directory)."""

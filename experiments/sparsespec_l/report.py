@@ -15,7 +15,7 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-from analysis.results import load_records
+from analysis.results import RecordError, eval_answer_files
 from draftlab.eval.answers import load_answers
 from draftlab.eval.metrics import question_throughput
 from draftlab.utils.atomic import atomic_write_text
@@ -54,16 +54,11 @@ def main() -> None:
     ap.add_argument("run", type=Path, help="the evaluation run directory (or its record.json)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    records = [r for r in load_records(a.run) if r.data.get("eval")]
-    if not records:
-        raise SystemExit(f"{a.run}: no evaluation record")
-    ev = records[0].data["eval"]
-    files, labels = dict(ev["answer_files"]), {ev["method"]: ev["label"]}
-    for name, b in (ev.get("baselines") or {}).items():
-        files.update({k: v for k, v in b["answer_files"].items() if k != "baseline"})
-        labels[name] = b["label"]
-    here = records[0].path.parent / "answers"  # a record copied out of its run keeps its answers beside it
-    files = {k: v if Path(v).exists() else str(here / Path(v).name) for k, v in files.items()}
+    try:
+        ev, files = eval_answer_files(a.run)
+    except RecordError as e:
+        raise SystemExit(str(e)) from None
+    labels = {ev["method"]: ev["label"]} | {n: b["label"] for n, b in (ev.get("baselines") or {}).items()}
     base_answers = load_answers(files.pop("baseline"))
     base = {x["question_id"]: x for x in base_answers}
     scores = ev.get("scores") or {}

@@ -13,7 +13,7 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-from analysis.results import load_records
+from analysis.results import RecordError, eval_answer_files
 from draftlab.eval.answers import load_answers
 
 
@@ -42,16 +42,10 @@ def main() -> None:
     ap.add_argument("run", type=Path, help="an evaluation run directory (or its record.json)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    records = [r for r in load_records(args.run) if r.data.get("eval")]
-    if not records:
-        raise SystemExit(f"{args.run}: no evaluation record")
-    ev = records[0].data["eval"]
-    files = dict(ev["answer_files"])
-    for b in (ev.get("baselines") or {}).values():
-        files.update({k: v for k, v in b.get("answer_files", {}).items() if k != "baseline"})
-    # A record copied out of its run (experiments/*/records) keeps its answers beside it in answers/.
-    here = records[0].path.parent / "answers"
-    files = {k: v if Path(v).exists() else str(here / Path(v).name) for k, v in files.items()}
+    try:
+        _, files = eval_answer_files(args.run)
+    except RecordError as e:
+        raise SystemExit(str(e)) from None
     base = {a["question_id"]: a for a in load_answers(files.pop("baseline"))}
     tables = {name: per_category(load_answers(path), base) for name, path in files.items()}
     cats = list(next(iter(tables.values())))
