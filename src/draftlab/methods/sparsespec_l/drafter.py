@@ -78,7 +78,7 @@ class SparseSpecDrafter(Drafter):
         self.history.add(state.attn_mass, min(self.stat_rows, state.prompt_len))
         self._scores: torch.Tensor | None = None
         self._rounds = 0
-        self._stats = {"drafted": 0, "accepted": 0, "read": 0.0, "steps": 0, "keep": 0, "context": 0,
+        self._stats = {"drafted": 0, "accepted": 0, "read": 0.0, "keep": 0, "context": 0,
                        "view_s": 0.0, "step_s": 0.0, "verify_s": 0.0}
 
     def propose(self, state: DecodeState) -> DraftTree:
@@ -116,8 +116,7 @@ class SparseSpecDrafter(Drafter):
         t2 = time.perf_counter()
         self._round = {"view_s": t1 - t0, "step_s": (t2 - t1) / len(tokens), "rows": len(tokens) + 1}
         s = self._stats
-        s["drafted"] += len(tokens)
-        s["steps"] += len(tokens)
+        s["drafted"] += len(tokens)  # one draft step per drafted token
         s["read"] += len(tokens) * keep / context
         s["keep"] += keep
         s["context"] += context
@@ -142,7 +141,7 @@ class SparseSpecDrafter(Drafter):
         s, n = self._stats, max(1, self._rounds)
         if not self._rounds:
             return None
-        steps = max(1, s["steps"])
+        steps = max(1, s["drafted"])
         return {"k_mean": s["drafted"] / n, "draft_accept_rate": s["accepted"] / max(1, s["drafted"]),
                 "kv_read_fraction": s["read"] / steps, "budget_mean": s["keep"] / n, "context_mean": s["context"] / n,
                 "view_ms": 1e3 * s["view_s"] / n, "draft_step_ms": 1e3 * s["step_s"] / steps,
