@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -343,3 +344,45 @@ def test_stages_and_decoding_name_no_method():
                 if i not in doc_lines and pattern.search(code):
                     offenders.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_draft_opd_continues_a_trained_draft_and_resumes_mid_phase(tmp_path, monkeypatch, shared_data):
+    """experiment=tiny trains the supervised EAGLE-3 draft; experiment=draft_opd_tiny continues it on-policy
+    (rollout phases of 3 steps), evaluates it losslessly and, killed in the middle of a phase, resumes from
+    its mid-phase checkpoint (rollout buffer included) to byte-identical weights."""
+    from draftlab.stages.pipeline import run_pipeline
+    from tests.test_interrupted_runs import _files, _Killed
+
+    _env(monkeypatch, tmp_path, shared_data)
+    art = f"paths.artifacts={tmp_path / 'artifacts'}"
+    sft = run_pipeline(_compose([*BASE, art, "trainer.max_epochs=1", "eval.enabled=false"], tmp_path, "train"),
+                       stage="train")
+    init = sft["artifacts"]["draft"]
+
+    def opd(*extra):
+        cfg = _compose(["experiment=draft_opd_tiny", *BASE[1:], art, f"init_draft={init}", "trainer.max_epochs=1",
+                        *extra], tmp_path, "train")
+        return run_pipeline(cfg, stage="train")
+
+    straight = opd()
+    draft = Path(straight["artifacts"]["draft"])
+    assert straight["eval"]["mismatches_vs_ar"] == 0 and straight["eval"]["label"] == "Draft-OPD"
+    assert straight["eval"]["axes"]["student"] == "eagle3"
+    history = straight["train"]["history"]
+    opd_rows = [r for r in history if "train/loss" in r]
+    assert opd_rows and "val/tau" in straight["train"]["best"]
+    # The draft moved away from the supervised one, and is still an EAGLE-3 draft (same artifact format).
+    before, after = _files(Path(init), "*.safetensors"), _files(draft, "*.safetensors")
+    assert before.keys() == after.keys() and before != after
+    want = _files(draft, "*")
+    shutil.rmtree(draft.parent)
+    # Steps 0-2 are phase 0, the checkpoint is written after step 2 (checkpoint_every_n_steps=2 counts
+    # optimiser steps: after the 2nd) -- i.e. with phase 0's buffer and one replay step still to come.
+    with pytest.raises(_Killed):
+        opd("+callbacks.die._target_=tests.test_interrupted_runs.DieAt", "+callbacks.die.hook=train_batch_start",
+            "+callbacks.die.step=3")
+    ckpt = torch.load(draft.parent / "checkpoints" / "resume.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["draft_opd"]["steps_done"] == 2 and ckpt["draft_opd"]["buffer_phase"] == 0
+    assert ckpt["draft_opd"]["buffer"]  # the phase's rollouts travel with the checkpoint
+    opd()
+    assert _files(draft, "*") == want

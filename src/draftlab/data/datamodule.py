@@ -57,6 +57,8 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
     within chunks rather than globally keeps padding low while still mixing lengths across the epoch.
     With ``bucket_by_length=False`` batches are plain consecutive slices of the shuffled order; with
     ``shuffle=False`` nothing is shuffled (validation). The order depends only on ``seed`` and the epoch.
+    ``repeat`` yields every batch that many times in a row (a method that works on one batch for several
+    optimiser steps, such as on-policy rollouts refreshed every ``repeat`` steps); resume counts repeats.
 
     ``num_replicas``/``rank`` shard whole batches across data-parallel ranks (every rank gets the same
     number; the list is padded by repeating batches from the start). Under Lightning DDP, pass
@@ -75,9 +77,10 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
+        repeat: int = 1,
     ) -> None:
-        if batch_size < 1 or chunk_batches < 1:
-            raise ValueError("batch_size and chunk_batches must be >= 1")
+        if batch_size < 1 or chunk_batches < 1 or repeat < 1:
+            raise ValueError("batch_size, chunk_batches and repeat must be >= 1")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} out of range for {num_replicas} replicas")
         self.lengths = list(lengths)
@@ -89,6 +92,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.num_replicas = num_replicas
         self.rank = rank
+        self.repeat = repeat
         self.epoch = 0
         # (epoch, batches): skip that many batches the next time that epoch is iterated (mid-epoch resume).
         self.resume_at: tuple[int, int] | None = None
@@ -127,7 +131,10 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         skip = 0
         if self.resume_at is not None and self.resume_at[0] == self.epoch:
             skip, self.resume_at = self.resume_at[1], None
-        yield from self._rank_batches()[skip:]
+        batches = self._rank_batches()
+        if self.repeat > 1:
+            batches = [b for b in batches for _ in range(self.repeat)]
+        yield from batches[skip:]
 
     def __len__(self) -> int:
         n = (
@@ -135,7 +142,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
             if self.drop_last
             else -(-len(self.lengths) // self.batch_size)
         )
-        return -(-n // self.num_replicas)
+        return -(-n // self.num_replicas) * self.repeat
 
 
 class _SampleDataset(Dataset):
@@ -170,6 +177,7 @@ class ConversationDataModule(L.LightningDataModule):
         num_workers: int = 0,
         chunk_batches: int = 50,
         drop_last: bool = False,
+        repeat_batches: int = 1,
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
@@ -183,6 +191,7 @@ class ConversationDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.chunk_batches = chunk_batches
         self.drop_last = drop_last
+        self.repeat_batches = repeat_batches
         self.train_samples: list[RenderedSample] | None = None
         self.val_samples: list[RenderedSample] | None = None
         # Positions of the split samples in the full sample list (offline feature files are keyed by them).
@@ -245,6 +254,7 @@ class ConversationDataModule(L.LightningDataModule):
             drop_last=self.drop_last and train,
             num_replicas=replicas,
             rank=rank,
+            repeat=self.repeat_batches if train else 1,
         )
         if trainer is not None:
             sampler.set_epoch(trainer.current_epoch)

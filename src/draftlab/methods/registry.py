@@ -16,6 +16,11 @@ pipeline supplies the run-time arguments)::
     drafter(draft) | drafter()      the inference-time drafter the engine calls
     axes                            name -> dotted path in this config: the settings tables compare by
 
+A method that trains another method's draft (on-policy distillation) names it as a nested ``student``
+method config; every block it does not declare itself (the draft, its artifact, exports, drafter, draft
+vocabulary, taps, axes) is the student's, so the trained draft is saved, exported and decoded exactly as
+the student's own. ``monitor`` names the validation metric the best checkpoint is chosen by.
+
 A method is then one folder under ``methods/`` plus its config files; a new one needs no pipeline edit.
 """
 
@@ -34,6 +39,9 @@ CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 
 _ABSENT = object()
+
+# The metric a run's best checkpoint is chosen by unless the method names another (``monitor:``).
+DEFAULT_MONITOR = "val/simulated_tau"
 
 
 class MethodSpec:
@@ -68,26 +76,47 @@ class MethodSpec:
 
     @property
     def draft_vocab_size(self) -> int | None:
-        v = self.cfg.get("draft_vocab_size")
+        v = self.block("draft_vocab_size")
         return None if v is None else int(v)
 
     @property
     def taps(self) -> list[int] | None:
-        t = self.cfg.get("taps")
+        t = self.block("taps")
         return None if t is None else [int(i) for i in t]
+
+    @property
+    def monitor(self) -> str:
+        """The validation metric (higher is better) the best checkpoint is chosen by."""
+        return str(self.cfg.get("monitor") or DEFAULT_MONITOR)
+
+    @property
+    def student(self) -> MethodSpec | None:
+        """The nested method whose draft this one trains (``student:`` block), or None."""
+        node = self.cfg.get("student")
+        return MethodSpec(node) if node is not None else None
 
     def resolved(self) -> dict[str, Any]:
         return OmegaConf.to_container(self.cfg, resolve=True)
 
     def key_config(self) -> dict[str, Any]:
         """The slice of the method config that changes the trained weights (enters the training key)."""
-        return {k: v for k, v in self.resolved().items() if k not in _NOT_IN_TRAIN_KEY}
+        out = {k: v for k, v in self.resolved().items() if k not in _NOT_IN_TRAIN_KEY}
+        if isinstance(out.get("student"), dict):
+            out["student"] = {k: v for k, v in out["student"].items() if k not in _NOT_IN_TRAIN_KEY}
+        return out
+
+    def block(self, key: str, default=None):
+        """``key`` of this config, or of the student's when this one does not declare it."""
+        if key in self.cfg or "student" not in self.cfg:
+            return self.cfg.get(key, default)
+        return self.cfg.student.get(key, default)
 
     def axes(self) -> dict[str, Any]:
         """``{axis: value}`` for the comparison axes this method declares (``axes: {nodes: drafter.total_tokens}``)."""
         out = {}
-        for axis, path in (self.cfg.get("axes") or {}).items():
-            value = OmegaConf.select(self.cfg, str(path), throw_on_missing=False, default=_ABSENT)
+        owner = self.cfg if "axes" in self.cfg or "student" not in self.cfg else self.cfg.student
+        for axis, path in (owner.get("axes") or {}).items():
+            value = OmegaConf.select(owner, str(path), throw_on_missing=False, default=_ABSENT)
             if value is _ABSENT:
                 raise ValueError(f"method '{self.name}': axis '{axis}' points at '{path}', which the config lacks")
             out[str(axis)] = value  # null is a setting too (a default the method resolves itself)
@@ -96,7 +125,7 @@ class MethodSpec:
     # ---- seams -------------------------------------------------------------------------------------
 
     def _block(self, key: str):
-        block = self.cfg.get(key)
+        block = self.block(key)
         if block is None:
             raise ValueError(f"method '{self.name}' declares no '{key}' block in conf/method/")
         return block
@@ -113,13 +142,13 @@ class MethodSpec:
 
     @property
     def has_offline_features(self) -> bool:
-        return self.cfg.get("features") is not None
+        return self.block("features") is not None
 
     def prepare_features(self, *, target, draft, samples, root: Path, key: tuple) -> Path | None:
         """The offline feature store for these samples (computed once, shared by every run on them)."""
         if not self.has_offline_features:
             return None
-        return instantiate(self.cfg.features)(target=target, draft=draft, samples=samples, root=root, key=key)
+        return instantiate(self.block("features"))(target=target, draft=draft, samples=samples, root=root, key=key)
 
     def save(self, draft, out_dir: Path, target) -> Path:
         return instantiate(self._block("artifact").save)(draft, out_dir, target=target)
@@ -129,7 +158,7 @@ class MethodSpec:
 
     @property
     def exporters(self) -> dict[str, Any]:
-        return {str(k): instantiate(v) for k, v in (self.cfg.get("export") or {}).items()}
+        return {str(k): instantiate(v) for k, v in (self.block("export") or {}).items()}
 
     def build_drafter(self, draft=None):
         factory = instantiate(self._block("drafter"))

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from draftlab.data.regenerate import RegenConfig, RegenReport, load_regenerated, regenerate
 from draftlab.data.template import RenderedSample, RenderReport, render_conversations, require_chat_template
 from draftlab.data.vocab import VocabMapping, load_or_build_vocab_mapping, vocab_mapping_cache_key
+from draftlab.methods.registry import MethodSpec
 from draftlab.utils.atomic import atomic_write_text
 from draftlab.utils.hashing import content_key
 from draftlab.utils.logging import get_logger
@@ -88,7 +89,7 @@ def run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
                                                   truncation=spec.truncation)
     log.info("%s", render_report)
     vocab = None
-    draft_vocab_size = cfg.method.get("draft_vocab_size") if cfg.get("method") else None
+    draft_vocab_size = MethodSpec(cfg.method).draft_vocab_size if cfg.get("method") else None
     if draft_vocab_size:
         vkey = vocab_mapping_cache_key(data_key, target.tokenizer.chat_template, getattr(target, "name", ""),
                                        spec.max_length, draft_vocab_size)

@@ -135,8 +135,8 @@ def baseline_specs(cfg: DictConfig, *, has_draft: bool) -> dict[str, MethodSpec]
                 raise ValueError(f"eval.baselines.{name}: method '{bspec.name}' needs a trained draft and method "
                                  f"'{main.name}' has none; a baseline of a training-free run must be a method "
                                  "with trainable: false")
-            if OmegaConf.to_container(bspec.cfg.get("artifact"), resolve=True) != \
-                    OmegaConf.to_container(main.cfg.get("artifact"), resolve=True):
+            if OmegaConf.to_container(bspec.block("artifact"), resolve=True) != \
+                    OmegaConf.to_container(main.block("artifact"), resolve=True):
                 raise ValueError(f"eval.baselines.{name}: method '{bspec.name}' reads another artifact format than "
                                  f"method '{main.name}' (their 'artifact' blocks differ), so it cannot draft from "
                                  "this run's draft")

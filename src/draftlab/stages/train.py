@@ -139,7 +139,7 @@ def train_key(cfg: DictConfig, data_key: str) -> str:
     return content_key("train/2", spec.key_config(), target_identity(cfg), convention, data_key, trainer, cfg.seed)
 
 
-def _callbacks(cfg: DictConfig, root: Path, has_val: bool) -> tuple[list, HistoryCallback]:
+def _callbacks(cfg: DictConfig, root: Path, monitor: str, has_val: bool) -> tuple[list, HistoryCallback]:
     """The configured callbacks, pointed at the artifact directory, plus history and resume checkpoints."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -148,8 +148,9 @@ def _callbacks(cfg: DictConfig, root: Path, has_val: bool) -> tuple[list, Histor
         if isinstance(cb, ModelCheckpoint):
             # The artifact directory, not the run directory: a re-run with the same key resumes from it.
             cb.dirpath = str(root / "checkpoints")
-            # Best = highest held-out simulated tau (SpecForge selects on its simulated acceptance length).
-            cb.monitor, cb.mode = ("val/simulated_tau", "max") if has_val else (None, "max")
+            # Best = highest held-out value of the method's monitor (default: simulated tau, as SpecForge
+            # selects on its simulated acceptance length).
+            cb.monitor, cb.mode = (monitor, "max") if has_val else (None, "max")
     history = HistoryCallback(int(cfg.trainer.get("log_every_n_steps", 10)))
     resume = ResumeCheckpoint(root / "checkpoints" / "resume.ckpt", int(cfg.train.checkpoint_every_n_steps))
     return [*callbacks, history, resume], history
@@ -179,7 +180,8 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
     dm = spec.build_datamodule(data.samples, features=features, pad_token_id=target.tokenizer.pad_token_id or 0,
                                seed=int(cfg.seed))
     module = spec.build_module(draft, target)
-    callbacks, history = _callbacks(cfg, root, has_val=float(spec.cfg.data.get("val_fraction") or 0) > 0)
+    callbacks, history = _callbacks(cfg, root, spec.monitor,
+                                    has_val=float(spec.block("data").get("val_fraction") or 0) > 0)
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                           default_root_dir=str(root), use_distributed_sampler=False)
     resume = root / "checkpoints" / "resume.ckpt"
@@ -200,9 +202,9 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
         module.on_load_checkpoint(state)
         module.load_state_dict(state["state_dict"])
         best = {"checkpoint": best_path, "step": int(state.get("global_step", -1))}
-    val_rows = [r for r in history.rows if "val/simulated_tau" in r]
+    val_rows = [r for r in history.rows if spec.monitor in r]
     if val_rows:
-        best.update(max(val_rows, key=lambda r: r["val/simulated_tau"]))
+        best.update(max(val_rows, key=lambda r: r[spec.monitor]))
     seconds = time.perf_counter() - t0
     # The summary first, then the draft directory in one rename: a draft directory is the marker of a
     # finished key, and a key is only reused with its summary beside it. A kill in between re-runs the

@@ -8,6 +8,7 @@ corpus, which makes their trees accepted often enough that every commit path run
 
 from __future__ import annotations
 
+import copy
 from functools import cache
 
 import torch
@@ -25,16 +26,19 @@ TRAIN_LR = 2e-2
 # and shorter training-time tests keep every config's checks to seconds on the tiny target.
 # A confidence threshold (``module.tau``: early exit) goes to 0: over tiny_random's 49k-token vocabulary no
 # head of a few-step draft is confident, so nothing would be proposed and nothing verified.
+# Rollouts of on-policy methods (``module.generation``) decode short continuations. A method that trains a
+# ``student`` method's draft gets the knobs in that block too.
 CPU_KNOBS = {"drafter.total_tokens": 16, "drafter.top_k": 4, "drafter.depth": 4, "module.ttt_length": 3,
-             "module.tau": 0.0}
+             "module.tau": 0.0, "module.generation.max_new_tokens": 24}
 
 
 @cache
 def spec(name: str) -> MethodSpec:
     s = MethodSpec.from_name(name)
     for key, value in CPU_KNOBS.items():
-        if OmegaConf.select(s.cfg, key, default=None) is not None:
-            OmegaConf.update(s.cfg, key, value)
+        for path in (key, f"student.{key}"):
+            if OmegaConf.select(s.cfg, path, default=None) is not None:
+                OmegaConf.update(s.cfg, path, value)
     return s
 
 
@@ -56,9 +60,15 @@ def vocab_for(spec: MethodSpec, target, seqs: list[list[int]]):
 
 
 def quick_train(spec: MethodSpec, target, *, steps: int = TRAIN_STEPS, lr: float = TRAIN_LR):
-    """A draft built from the config and trained ``steps`` optimizer steps (Adam) by the method's module."""
+    """A draft built from the config and trained ``steps`` optimizer steps (Adam) by the method's module.
+
+    A method that trains a ``student`` method's draft starts, as it does in use, from the student's own
+    (quickly trained) draft."""
     seqs = sequences(target)
-    draft = spec.build_draft(target, vocab_for(spec, target, seqs))
+    if spec.student is not None:
+        draft = copy.deepcopy(quick_train(spec.student, target, steps=steps, lr=lr)).train()
+    else:
+        draft = spec.build_draft(target, vocab_for(spec, target, seqs))
     # Several copies per sequence, so that the datamodule's validation split leaves training batches.
     samples = [RenderedSample(input_ids=s, loss_mask=[0] * (len(p) - 1) + [1] * (len(s) - len(p) + 1), id=f"{i}-{c}")
                for c in range(4) for i, (p, s) in enumerate(zip(TRAIN_PROMPTS, seqs))]

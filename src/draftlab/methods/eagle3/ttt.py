@@ -33,32 +33,40 @@ NORMALIZATIONS = ("batch_tokens", "mask_sum")
 
 
 def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                  attention_mask: torch.Tensor | None, scale: float, query_rows: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """Prefix + diagonal attention of TTT step ``k = len(keys) - 1``.
 
     q [B, H, T, hd]; keys/values: per step 0..k, each [B, Hkv, T, hd]; attention_mask [B, T] (1 = real)
     or None -> [B, H, T, hd]. Scores against step-0 keys are one [T, T] matmul under a causal + padding
     mask; the k diagonal scores are ``(q * k_i).sum(-1)``, so no [T, (k+1)T] mask or score block exists.
+
+    ``query_rows`` [M]: only these rows are unrolled (q and the keys/values of steps 1..k hold M rows, the
+    step-0 keys all T): row m sees the step-0 keys ``s <= query_rows[m]`` and its own later keys. On-policy
+    replay unrolls only the rows a verification round started from.
     """
-    B, H, T, hd = q.shape
+    B, H, M, hd = q.shape
+    T = keys[0].shape[2]
     Hkv = keys[0].shape[1]
     G = H // Hkv
-    qg = q.reshape(B, Hkv, G, T, hd)  # heads h = kv * G + g share KV head kv
-    prefix = torch.matmul(q.reshape(B, Hkv, G * T, hd), keys[0].transpose(-1, -2)).view(B, Hkv, G, T, T)
+    qg = q.reshape(B, Hkv, G, M, hd)  # heads h = kv * G + g share KV head kv
+    prefix = torch.matmul(q.reshape(B, Hkv, G * M, hd), keys[0].transpose(-1, -2)).view(B, Hkv, G, M, T)
     ct = torch.promote_types(prefix.dtype, torch.float32)
-    prefix = prefix.to(ct) * scale  # [B, Hkv, G, T, T]
+    prefix = prefix.to(ct) * scale  # [B, Hkv, G, M, T]
     mask = causal_mask(T, attention_mask, device=q.device)  # [B|1, T, T]
+    if query_rows is not None:
+        mask = mask[:, query_rows.to(mask.device)]  # [B|1, M, T]
     prefix = prefix.masked_fill(~mask[:, None, None], torch.finfo(ct).min)
     if len(keys) > 1:
-        diag = torch.stack([(qg * k_i[:, :, None]).sum(-1) for k_i in keys[1:]], dim=-1)  # [B, Hkv, G, T, k]
-        scores = torch.cat([prefix, diag.to(ct) * scale], dim=-1)  # [B, Hkv, G, T, T + k]
+        diag = torch.stack([(qg * k_i[:, :, None]).sum(-1) for k_i in keys[1:]], dim=-1)  # [B, Hkv, G, M, k]
+        scores = torch.cat([prefix, diag.to(ct) * scale], dim=-1)  # [B, Hkv, G, M, T + k]
     else:
         scores = prefix
-    probs = torch.softmax(scores, dim=-1).to(values[0].dtype)  # [B, Hkv, G, T, T + k]
-    out = torch.matmul(probs[..., :T].reshape(B, Hkv, G * T, T), values[0]).view(B, Hkv, G, T, hd)
+    probs = torch.softmax(scores, dim=-1).to(values[0].dtype)  # [B, Hkv, G, M, T + k]
+    out = torch.matmul(probs[..., :T].reshape(B, Hkv, G * M, T), values[0]).view(B, Hkv, G, M, hd)
     for i, v_i in enumerate(values[1:]):
-        out = out + probs[..., T + i, None] * v_i[:, :, None]  # [B, Hkv, G, T, hd]
-    return out.reshape(B, H, T, hd)
+        out = out + probs[..., T + i, None] * v_i[:, :, None]  # [B, Hkv, G, M, hd]
+    return out.reshape(B, H, M, hd)
 
 
 def ttt_attention_mask(T: int, num_steps: int, attention_mask: torch.Tensor | None = None, *,
@@ -85,12 +93,14 @@ class TTTAttention:
     """``DraftAttention`` for the unrolled loop: every call of a layer is the next TTT step.
 
     Keeps each layer's rotated keys/values of all steps so far (autograd holds them anyway).
-    ``naive=True`` switches to the brute-force reference.
+    ``naive=True`` switches to the brute-force reference. Setting ``query_rows`` [M] after step 0 unrolls
+    only those rows in the later steps (``ttt_attention``'s ``query_rows``).
     """
 
     def __init__(self, attention_mask: torch.Tensor | None = None, *, naive: bool = False):
         self.attention_mask = attention_mask
         self.naive = naive
+        self.query_rows: torch.Tensor | None = None
         self.keys: dict[int, list[torch.Tensor]] = {}
         self.values: dict[int, list[torch.Tensor]] = {}
 
@@ -102,6 +112,8 @@ class TTTAttention:
         keys, values = self.keys.setdefault(layer, []), self.values.setdefault(layer, [])
         keys.append(k)
         values.append(v)
+        if self.query_rows is not None and len(keys) > 1:
+            return ttt_attention(q, keys, values, self.attention_mask, scale, self.query_rows)
         fn = naive_ttt_attention if self.naive else ttt_attention
         return fn(q, keys, values, self.attention_mask, scale)
 

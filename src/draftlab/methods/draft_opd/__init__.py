@@ -1,0 +1,1 @@
+"""Draft-OPD: on-policy distillation that replays drafting from verification-exposed errors."""

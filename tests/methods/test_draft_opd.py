@@ -1,0 +1,245 @@
+"""Draft-OPD: anchors from a hand-worked stub round, replay equal to what the drafter proposed, the objective
+against hand-computed values, and rollout / replay phases through the module (resume included)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftlab.decoding.engine import GenerationConfig, speculative_generate
+from draftlab.decoding.tree import DraftTree
+from draftlab.methods.draft_opd.anchors import chain_nodes, trace_anchors
+from draftlab.methods.draft_opd.objective import Objective, ReplayBatch
+from draftlab.methods.draft_opd.rollout import prompt_of, rollout
+from draftlab.methods.eagle3.drafter import Eagle3Drafter
+from draftlab.methods.eagle3.replay import Eagle3Replay
+from tests.decoding.test_engine_stub import CYCLE, FixedDrafter
+from tests.stubs import TableTarget
+
+# ---- anchors from a hand-worked tree round --------------------------------------------------------------
+
+
+def _round_tree(r):
+    # root r -> {a (node 1, right), x (node 2, wrong)}; a -> {y (node 3), z (node 4)}, both wrong;
+    # y -> w (node 5). The target accepts a, rejects y and z (a's children): r = 1.
+    a = CYCLE[r]
+    wrong = [t for t in range(1, 10) if t != CYCLE[a] and t != a][:4]
+    x, y, z, w = wrong
+    return DraftTree.from_parents([r, a, x, y, z, w], [-1, 0, 0, 1, 1, 3])
+
+
+def test_anchor_of_a_hand_worked_tree_round():
+    target = TableTarget(CYCLE)
+    prompt = [0, 5, 6]
+    out, stats = speculative_generate(target, prompt, FixedDrafter(_round_tree),
+                                      GenerationConfig(max_new_tokens=7, stop_on_eos=False), trace=True)
+    assert out == [7, 8, 9, 1, 2, 3, 4]  # lossless: the target's own cycle
+    first = stats.trace[0]
+    r, a = 7, 8
+    tree = _round_tree(r)
+    x, y, z, w = tree.tokens[2:].tolist()
+    # By hand: path root -> node 1; nodes 3 and 4 (a's children) rejected; the chain continues under node 3.
+    assert first.path == [0, 1] and sorted(first.rejected) == [3, 4]
+    assert chain_nodes(first) == [0, 1, 3, 5]
+    assert chain_nodes(first, rejected_suffix=False) == [0, 1, 3]
+    anchors = trace_anchors(stats.trace)
+    assert len(anchors) == stats.rounds
+    anchor = anchors[0]
+    assert anchor.root == len(prompt)  # the root (7, the prefill's token) sits right after the prompt
+    assert anchor.chain.tolist() == [a, y, w] and anchor.accepted == 1
+    assert sorted(anchor.rejected) == sorted([y, z]) and anchor.committed == CYCLE[a]
+    # Target log-probs: chain position k reads the verify row of chain node k-1 (root, a, y).
+    expected = torch.log_softmax(target.table[torch.tensor([r, a, y])], -1)
+    torch.testing.assert_close(anchor.target_logprobs, expected)
+    torch.testing.assert_close(anchor.target_logprobs, first.target_logprobs[[0, 1, 3]])
+    # The next round's root is the previous one's committed token, one position further than its path.
+    assert anchors[1].root == anchor.root + 2
+    # Restricting to a draft vocabulary keeps those columns of the same rows.
+    vocab = torch.tensor([1, 4, 9])
+    sub = trace_anchors(stats.trace[:1], vocab_ids=vocab)[0]
+    torch.testing.assert_close(sub.target_logprobs, expected[:, vocab])
+
+
+def test_fully_accepted_and_root_only_rounds():
+    target = TableTarget(CYCLE)
+    chain = FixedDrafter(lambda r: DraftTree.chain(r, [CYCLE[r], CYCLE[CYCLE[r]]]))
+    _, stats = speculative_generate(target, [0], chain, GenerationConfig(max_new_tokens=6, stop_on_eos=False),
+                                    trace=True)
+    a = trace_anchors(stats.trace)[0]
+    assert a.accepted == a.length == 2 and a.rejected == []
+    root_only = FixedDrafter(lambda r: DraftTree.chain(r, []))
+    _, stats = speculative_generate(target, [0], root_only, GenerationConfig(max_new_tokens=4, stop_on_eos=False),
+                                    trace=True)
+    assert stats.rounds == 3 and trace_anchors(stats.trace) == []  # nothing proposed, nothing to replay
+
+
+def test_rollout_counts_every_prompt():
+    target = TableTarget(CYCLE)
+    drafter = FixedDrafter(_round_tree)
+    prompts = [[0, 5], [], list(range(1, 10)) * 3, [3]]
+    out, report = rollout(target, drafter, prompts, GenerationConfig(max_new_tokens=5, stop_on_eos=False),
+                          vocab_ids=None, max_prompt_tokens=16)
+    assert (report.prompts, report.success, report.skipped, report.error) == (4, 2, 2, 0)
+    assert [r.prompt_len for r in out] == [2, 1] and all(r.new_tokens == 5 for r in out)
+    assert report.tau == pytest.approx((10 - 2) / report.rounds)
+
+    class Broken(FixedDrafter):
+        def propose(self, state):
+            raise RuntimeError("draft exploded")
+
+    _, report = rollout(target, Broken(_round_tree), [[0, 5]], GenerationConfig(max_new_tokens=5), vocab_ids=None)
+    assert (report.success, report.error) == (0, 1) and "draft exploded" in report.errors[0]
+
+
+def test_prompt_of_cuts_at_the_first_trained_token():
+    ids = torch.tensor([5, 6, 7, 8, 9, 0])
+    mask = torch.tensor([0, 0, 0, 1, 1, 0])
+    assert prompt_of(ids, mask, torch.tensor([1, 1, 1, 1, 1, 0])) == [5, 6, 7]
+    assert prompt_of(ids, torch.zeros(6, dtype=torch.long), torch.ones(6, dtype=torch.long)) == []
+
+
+# ---- replay equals the rollout for unchanged weights -----------------------------------------------------
+
+
+class _Recording(Eagle3Drafter):
+    """An EAGLE-3 chain drafter that keeps the draft log-probs of every expansion (depth order)."""
+
+    def __init__(self, draft):
+        super().__init__(draft, top_k=1, depth=4, total_tokens=4)
+        self.rounds: list[list[torch.Tensor]] = []
+        self.proposing = False
+        step = self.rows.step
+
+        def recording_step(*args, **kwargs):
+            h, logp = step(*args, **kwargs)
+            if self.proposing:  # not the committed rows ``update`` appends
+                self.rounds[-1].append(logp[0].clone())
+            return h, logp
+
+        self.rows.step = recording_step
+
+    def propose(self, state):
+        self.rounds.append([self.rows.root_draft_logprobs.clone()])
+        self.proposing = True
+        try:
+            return super().propose(state)
+        finally:
+            self.proposing = False
+
+
+@pytest.fixture(scope="module")
+def eagle3_draft(tiny_target):
+    from tests.decoding.conformance.methods import quick_train, spec
+
+    return quick_train(spec("eagle3"), tiny_target)
+
+
+def test_replayed_logprobs_equal_the_rollouts(tiny_target, eagle3_draft):
+    drafter = _Recording(eagle3_draft)
+    replay = Eagle3Replay()
+    prompt = list(range(100, 116))
+    ros, report = rollout(tiny_target, drafter, [prompt], GenerationConfig(max_new_tokens=24, stop_on_eos=False),
+                          vocab_ids=replay.vocab_ids(eagle3_draft))
+    ro = ros[0]
+    assert report.success == 1 and ro.rounds == len(drafter.rounds)
+    assert any(a.accepted > 0 for a in ro.anchors) and any(a.accepted < a.length for a in ro.anchors)
+    K = max(a.length for a in ro.anchors)
+    chains = torch.stack([torch.nn.functional.pad(a.chain, (0, K - a.length)) for a in ro.anchors])
+    roots = torch.tensor([a.root for a in ro.anchors])
+    logq = replay.logprobs(eagle3_draft, tiny_target, ro.tokens, roots, chains)  # [M, K, V_d]
+    assert logq.requires_grad
+    for m, (a, proposed) in enumerate(zip(ro.anchors, drafter.rounds)):
+        # The chain follows the drafter's own (top-1) proposals, so each position was one of its expansions.
+        for k in range(a.length):
+            torch.testing.assert_close(logq[m, k].detach(), proposed[k], atol=1e-5, rtol=1e-5)
+    # The accepted draft tokens are the committed sequence; the replayed context is that sequence.
+    for a in ro.anchors:
+        assert ro.tokens[a.root + 1: a.root + 1 + a.accepted].tolist() == a.chain[: a.accepted].tolist()
+
+
+# ---- the objective -------------------------------------------------------------------------------------
+
+
+def _batch(seed=0, M=3, K=4, V=7):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.log_softmax(torch.randn(M, K, V, generator=g), -1)
+    p = torch.log_softmax(torch.randn(M, K, V, generator=g), -1) - 0.3  # not normalised over the draft vocab
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    acc = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    return ReplayBatch(q, p, valid, acc)
+
+
+def _kl(a, b):  # KL(a || b) from log-probs
+    return float((a.exp() * (a - b)).sum())
+
+
+def test_acceptance_aware_objective_by_hand():
+    b = _batch()
+    logp = b.target_logprobs - torch.logsumexp(b.target_logprobs, -1, keepdim=True)
+    fwd = [(0, 0), (1, 0), (1, 1), (1, 2), (1, 3)]
+    rej = [(0, 1), (0, 2), (2, 0)]
+    l_acc = sum(_kl(logp[m, k], b.draft_logprobs[m, k]) for m, k in fwd) / len(fwd)
+    w = {k: 0.8 ** k for _, k in rej}
+    l_rej = sum(w[k] * _kl(b.draft_logprobs[m, k], logp[m, k]) for m, k in rej) / sum(w[k] for _, k in rej)
+    loss, stats = Objective()(b)
+    assert float(loss) == pytest.approx((l_acc + l_rej) / 2, rel=1e-5)
+    assert int(stats["accepted"]) == 5 and int(stats["rejected"]) == 3
+    # Weights are config: lambda_rej = 0 leaves the forward term; gamma = 1 drops the decay.
+    assert float(Objective(lambda_rej=0.0)(b)[0]) == pytest.approx(l_acc, rel=1e-5)
+    l_rej_flat = sum(_kl(b.draft_logprobs[m, k], logp[m, k]) for m, k in rej) / len(rej)
+    assert float(Objective(gamma=1.0, lambda_acc=0.0)(b)[0]) == pytest.approx(l_rej_flat, rel=1e-5)
+    # The all-forward ablation: forward KL at every valid position.
+    all_fwd = sum(_kl(logp[m, k], b.draft_logprobs[m, k]) for m, k in fwd + rej) / 8
+    assert float(Objective(divergence="forward")(b)[0]) == pytest.approx(all_fwd, rel=1e-5)
+
+
+def test_objective_is_zero_when_the_draft_is_the_target_and_has_gradients():
+    b = _batch()
+    logp = b.target_logprobs - torch.logsumexp(b.target_logprobs, -1, keepdim=True)
+    same = ReplayBatch(logp.clone().requires_grad_(), b.target_logprobs, b.valid, b.accepted)
+    loss, _ = Objective()(same)
+    assert float(loss) == pytest.approx(0.0, abs=1e-6)
+    q = b.draft_logprobs.clone().requires_grad_()
+    Objective()(ReplayBatch(q, b.target_logprobs, b.valid, b.accepted))[0].backward()
+    assert q.grad.abs().sum() > 0 and q.grad[0, 3].abs().sum() == 0  # invalid positions get no gradient
+
+
+def test_sampled_estimators_by_hand():
+    b = _batch()
+    M, K = b.valid.shape
+    committed = torch.full((M, K), -1)
+    committed[0, 0], committed[0, 1] = 2, 5  # accepted token, then the first rejected position's correction
+    committed[1] = torch.tensor([1, 2, 3, 4])
+    committed[2, 0] = 6
+    rejected = torch.full((M, K, 2), -1)
+    rejected[0, 1] = torch.tensor([3, 4])  # first rejected + sibling
+    rejected[0, 2, 0] = 0  # suffix token
+    rejected[2, 0, 0] = 1
+    sb = ReplayBatch(b.draft_logprobs, b.target_logprobs, b.valid, b.accepted, committed, rejected)
+    logp = b.target_logprobs - torch.logsumexp(b.target_logprobs, -1, keepdim=True)
+
+    def bern(m, k, t):
+        p, q = math.exp(float(logp[m, k, t])), math.exp(float(b.draft_logprobs[m, k, t]))
+        return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+    def k3(m, k, t):
+        lr = float(logp[m, k, t] - b.draft_logprobs[m, k, t])
+        return math.exp(lr) - 1 - lr
+
+    resp = [(0, 0, 2), (0, 1, 5), (1, 0, 1), (1, 1, 2), (1, 2, 3), (1, 3, 4), (2, 0, 6)]
+    rej = [(0, 1, 3), (0, 1, 4), (0, 2, 0), (2, 0, 1)]
+    w = [0.8 ** k for _, k, _ in rej]
+    expected = (sum(bern(*x) for x in resp) + sum(wi * k3(*x) for wi, x in zip(w, rej))) / (len(resp) + sum(w))
+    loss, _ = Objective(estimator="sampled")(sb)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+
+
+def test_objective_settings_are_checked():
+    with pytest.raises(ValueError, match="estimator"):
+        Objective(estimator="mc")
+    with pytest.raises(ValueError, match="divergence"):
+        Objective(divergence="js")
+    with pytest.raises(ValueError, match="lambda"):
+        Objective(lambda_acc=0.0, lambda_rej=0.0)
