@@ -44,7 +44,9 @@ class DraftOPDModule(L.LightningModule):
     target             the frozen target.
     student            the student method's module factory ``(draft=, target=) -> LightningModule``; only its
                        checkpoint hooks are used (the format of the student's own checkpoints).
-    drafter            the student's drafter factory ``(draft) -> Drafter``: rollouts decode with it.
+    drafter            the student's drafter factory ``(draft) -> Drafter``: rollouts decode with it, with
+                       ``rollout_drafter`` (keyword overrides, e.g. ``{tree: fixed}``: a tree sized from timed
+                       verify costs would make the rollouts depend on the machine's load) applied.
     replay             the student's replay seam (``vocab_ids(draft)``, ``features(draft, target, tokens)``,
                        ``logprobs(draft, target, tokens, roots, chains, features)``).
     generation         rollout decoding settings (``GenerationConfig`` fields; T=0 as the official code).
@@ -58,7 +60,8 @@ class DraftOPDModule(L.LightningModule):
     max_prompt_tokens  longer prompts are skipped (counted).
     """
 
-    def __init__(self, draft, target=None, *, student, drafter, replay, generation: dict | None = None,
+    def __init__(self, draft, target=None, *, student, drafter, replay, rollout_drafter: dict | None = None,
+                 generation: dict | None = None,
                  refresh_every: int = 4, sequences_per_step: int = 2, rejected_suffix: bool = True,
                  anchors: str = "error", objective: dict | None = None, max_prompt_tokens: int | None = 1024,
                  optimizer=None, schedule=None, total_steps: int | None = None, seed: int = 0):
@@ -72,7 +75,7 @@ class DraftOPDModule(L.LightningModule):
         self.target = target  # not an nn.Module attribute: never in state_dict
         # The student's module, unregistered (its draft is ours): checkpoints are written in its format.
         object.__setattr__(self, "student_module", student(draft=draft, target=target))
-        self.drafter_factory = drafter
+        self.drafter_factory = partial(drafter, **dict(rollout_drafter or {}))
         self.replay = replay
         self.generation = GenerationConfig(**{"stop_on_eos": True, **(generation or {})})
         self.refresh_every, self.sequences_per_step = int(refresh_every), int(sequences_per_step)
