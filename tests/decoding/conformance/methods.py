@@ -22,6 +22,7 @@ from tests.methods.corpus import TRAIN_PROMPTS, train_sequences
 METHODS = method_names()
 TRAIN_STEPS = 20
 TRAIN_LR = 2e-2
+CONTINUE_LR = 1e-3
 # CPU-sized knobs, applied to whichever config declares them (the suite names no method): smaller trees
 # and shorter training-time tests keep every config's checks to seconds on the tiny target.
 # A confidence threshold (``module.tau``: early exit) goes to 0: over tiny_random's 49k-token vocabulary no
@@ -63,10 +64,13 @@ def quick_train(spec: MethodSpec, target, *, steps: int = TRAIN_STEPS, lr: float
     """A draft built from the config and trained ``steps`` optimizer steps (Adam) by the method's module.
 
     A method that trains a ``student`` method's draft starts, as it does in use, from the student's own
-    (quickly trained) draft."""
+    (quickly trained) draft, and continues it at a fine-tuning rate: ``TRAIN_LR`` is a from-scratch rate,
+    and over tiny_random's near-uniform next-token distributions (top probability ~0.005) a few steps at
+    it move a trained draft's argmax far enough that nothing is accepted any more."""
     seqs = sequences(target)
     if spec.student is not None:
-        draft = copy.deepcopy(quick_train(spec.student, target, steps=steps, lr=lr)).train()
+        draft = copy.deepcopy(quick_train(spec.student, target)).train()
+        lr = min(lr, CONTINUE_LR)
     else:
         draft = spec.build_draft(target, vocab_for(spec, target, seqs))
     # Several copies per sequence, so that the datamodule's validation split leaves training batches.

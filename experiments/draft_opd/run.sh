@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Draft-OPD vs continued SFT at equal training time, from the quickstart's supervised EAGLE-3 draft, on
+# SmolLM2-135M-Instruct (2 CPU cores, ~45 min). Every step is content-addressed: re-running resumes.
+#   experiments/draft_opd/run.sh runs/draft_opd [minutes per arm, default 10]
+set -euo pipefail
+OUT=${1:-runs/draft_opd}
+MIN=${2:-10}
+BUDGET=$(printf "00:00:%02d:00" "$MIN")
+mkdir -p "$OUT"
+record() { python -c "import json,sys; print(json.load(open(sys.argv[1]))['artifacts']['draft'])" "$1/record.json"; }
+# Decoding settings shared by rollouts and evaluation: the quickstart's small fixed tree (6 nodes, depth 3).
+TREE=(method.drafter.tree=fixed method.drafter.total_tokens=6 method.drafter.depth=3 method.drafter.top_k=3)
+
+# 1. The supervised draft: the README's quickstart (32 regenerated conversations, TTT-2, 10 epochs).
+[ -f "$OUT/sft/record.json" ] || draftlab-train experiment=quickstart eval.enabled=false logger=csv \
+    hydra.run.dir="$OUT/sft"
+BASE=$(record "$OUT/sft")
+
+# 2. Draft-OPD for $MIN minutes: GSM8K-train + ShareGPT prompts, 96-token rollouts at T=0 with the same
+#    tree it is evaluated with; 8 replay steps of 4 rollouts per phase of 4 prompts.
+[ -f "$OUT/opd/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init_draft="$BASE" \
+    "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
+    method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
+    method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" \
+    eval.enabled=false logger=csv hydra.run.dir="$OUT/opd"
+
+# 3. Continued SFT for $MIN minutes on the supervised data (its features are already cached).
+[ -f "$OUT/sft_more/record.json" ] || draftlab-train experiment=quickstart method=eagle3_continue \
+    init_draft="$BASE" trainer.max_epochs=1000 trainer.max_time="$BUDGET" method.data.val_fraction=0 \
+    eval.enabled=false logger=csv hydra.run.dir="$OUT/sft_more"
+
+# 4. Each draft on Spec-Bench (one question per category, 128 tokens, T=0) against AR in its own process.
+for arm in sft opd sft_more; do
+  [ -f "$OUT/eval_$arm/record.json" ] || draftlab-eval experiment=quickstart method=eagle3 \
+      draft_path="$(record "$OUT/$arm")" bench=specbench bench.per_category=1 eval.max_new_tokens=128 \
+      "${TREE[@]}" eval.baselines.pld=null eval.baselines.suffix=null logger=csv hydra.run.dir="$OUT/eval_$arm"
+done
+draftlab-report "$OUT/eval_sft" "$OUT/eval_opd" "$OUT/eval_sft_more" --name "SFT (start)" --name "Draft-OPD" \
+    --name "SFT continued" --out experiments/draft_opd/report --format md
