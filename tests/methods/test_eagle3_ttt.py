@@ -95,6 +95,23 @@ def test_ttt_attention_matches_naive_values_and_grads():
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_ttt_attention_over_query_rows_equals_those_rows_of_the_full_unroll():
+    # On-policy replay unrolls only the rows a round started from: their outputs must be the full unroll's.
+    g = torch.Generator().manual_seed(1)
+    B, H, HKV, T, HD, K = 2, 4, 2, 9, 8, 3
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[1, 7:] = 0
+    rows = torch.tensor([0, 3, 6])
+    q = torch.randn(B, H, T, HD, generator=g, dtype=torch.float64)
+    keys = [torch.randn(B, HKV, T, HD, generator=g, dtype=torch.float64) for _ in range(K)]
+    values = [torch.randn(B, HKV, T, HD, generator=g, dtype=torch.float64) for _ in range(K)]
+    for k in range(2, K + 1):
+        full = ttt_attention(q, keys[:k], values[:k], attn, HD ** -0.5)
+        sub = ttt_attention(q[:, :, rows], keys[:1] + [x[:, :, rows] for x in keys[1:k]],
+                            values[:1] + [x[:, :, rows] for x in values[1:k]], attn, HD ** -0.5, query_rows=rows)
+        torch.testing.assert_close(sub, full[:, :, rows], rtol=1e-10, atol=1e-12)
+
+
 def test_ttt_forward_efficient_matches_naive_values_and_grads():
     ids, aux, logits, loss_mask, attn = batch()
     results = []
