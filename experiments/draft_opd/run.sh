@@ -11,9 +11,12 @@ record() { python -c "import json,sys; print(json.load(open(sys.argv[1]))['artif
 # Decoding settings shared by rollouts and evaluation: the quickstart's small fixed tree (6 nodes, depth 3).
 TREE=(method.drafter.tree=fixed method.drafter.total_tokens=6 method.drafter.depth=3 method.drafter.top_k=3)
 
-# 1. The supervised draft: the README's quickstart (32 regenerated conversations, TTT-2, 10 epochs).
+# fp32 throughout: on an AVX2-only CPU (no native bf16) the quickstart's bf16 autocast ran ~10x slower.
+FP32=(trainer.precision=32-true)
+
+# 1. The supervised draft: the quickstart's data and TTT-2 (32 regenerated conversations), 4 epochs in fp32.
 [ -f "$OUT/sft/record.json" ] || draftlab-train experiment=quickstart eval.enabled=false logger=csv \
-    hydra.run.dir="$OUT/sft"
+    "${FP32[@]}" trainer.max_epochs=4 hydra.run.dir="$OUT/sft"
 BASE=$(record "$OUT/sft")
 
 # 2. Draft-OPD for $MIN minutes: GSM8K-train + ShareGPT prompts, 96-token rollouts at T=0 with the same
@@ -21,12 +24,12 @@ BASE=$(record "$OUT/sft")
 [ -f "$OUT/opd/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init_draft="$BASE" \
     "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
     method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
-    method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" \
+    method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" "${FP32[@]}" \
     eval.enabled=false logger=csv hydra.run.dir="$OUT/opd"
 
 # 3. Continued SFT for $MIN minutes on the supervised data (its features are already cached).
 [ -f "$OUT/sft_more/record.json" ] || draftlab-train experiment=quickstart method=eagle3_continue \
-    init_draft="$BASE" trainer.max_epochs=1000 trainer.max_time="$BUDGET" method.data.val_fraction=0 \
+    init_draft="$BASE" trainer.max_epochs=1000 +trainer.max_time="$BUDGET" method.data.val_fraction=0 "${FP32[@]}" \
     eval.enabled=false logger=csv hydra.run.dir="$OUT/sft_more"
 
 # 4. Each draft on Spec-Bench (one question per category, 128 tokens, T=0) against AR in its own process.
