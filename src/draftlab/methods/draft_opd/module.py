@@ -104,7 +104,7 @@ class DraftOPDModule(L.LightningModule):
     def decode(self, prompts: list[list[int]]) -> tuple[list[Rollout], RolloutReport]:
         """Rollouts of ``prompts`` with the current weights, in the target's own precision."""
         was_training = self.draft.training
-        device = self.draft.fc.weight.device if hasattr(self.draft, "fc") else torch.device("cpu")
+        device = next(self.draft.parameters()).device  # any student's draft, not one with a named layer
         try:
             with torch.autocast(device.type, enabled=False):
                 drafter = self.drafter_factory(self.draft)
