@@ -79,6 +79,15 @@ def test_export_validate_load_round_trip(exported, draft, tiny_target):
     assert torch.equal(_outputs(loaded, tiny_target), _outputs(draft, tiny_target))
 
 
+def test_build_draft_continues_an_artifact_and_names_a_clash(exported, draft, tiny_target):
+    """``method.draft.init.from``: on-policy training starts from a trained draft, built as configured."""
+    continued = build_draft(tiny_target, num_layers=2, block_size=BS, init={"from": str(exported)})
+    assert continued.config == draft.config
+    assert torch.equal(_outputs(continued, tiny_target), _outputs(draft, tiny_target))
+    with pytest.raises(ValueError, match=r"init.from=.*block_size"):
+        build_draft(tiny_target, num_layers=2, block_size=BS + 2, init={"from": str(exported)})
+
+
 def test_a_plain_dflash_config_loads_without_the_draftlab_block(exported, draft, tiny_target):
     _rewrite_config(exported, lambda cfg: cfg.pop("draftlab"))
     assert validate(exported, target=tiny_target) == []

@@ -3,6 +3,7 @@ against hand-computed values, and rollout / replay phases through the module (re
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -13,8 +14,11 @@ from draftlab.decoding.tree import DraftTree
 from draftlab.methods.draft_opd.anchors import chain_nodes, trace_anchors
 from draftlab.methods.draft_opd.objective import Objective, ReplayBatch
 from draftlab.methods.draft_opd.rollout import prompt_of, rollout
+from draftlab.methods.dflash.drafter import DFlashDrafter
+from draftlab.methods.dflash.replay import DFlashReplay
 from draftlab.methods.eagle3.drafter import Eagle3Drafter
 from draftlab.methods.eagle3.replay import Eagle3Replay
+from tests.methods.corpus import TRAIN_PROMPTS
 from tests.decoding.test_engine_stub import CYCLE, FixedDrafter
 from tests.stubs import TableTarget
 
@@ -157,6 +161,81 @@ def test_replayed_logprobs_equal_the_rollouts(tiny_target, eagle3_draft):
     # The accepted draft tokens are the committed sequence; the replayed context is that sequence.
     for a in ro.anchors:
         assert ro.tokens[a.root + 1: a.root + 1 + a.accepted].tolist() == a.chain[: a.accepted].tolist()
+
+
+class _RecordingBlocks(DFlashDrafter):
+    """A DFlash drafter that keeps the draft log-probs of every block it proposes from."""
+
+    def __init__(self, draft, block_size=None):
+        super().__init__(draft, block_size=block_size, sampling="argmax")
+        self.rounds: list[torch.Tensor] = []
+
+    def _block_logits(self, inputs):
+        logits = super()._block_logits(inputs)  # [bs-1, V]
+        self.rounds.append(torch.log_softmax(logits.float(), -1).clone())
+        return logits
+
+
+@pytest.fixture(scope="module")
+def dflash_draft(tiny_target):
+    from tests.decoding.conformance.methods import quick_train, spec
+
+    return quick_train(spec("dflash"), tiny_target)
+
+
+@pytest.mark.parametrize("block_size", [None, 5])
+def test_dflash_replayed_logprobs_equal_the_rollouts(tiny_target, dflash_draft, block_size):
+    """One packed block forward over a rollout's anchors gives each round's block distributions; in a
+    shorter block than the trained one too, when the replay is told the drafter's block."""
+    drafter = _RecordingBlocks(dflash_draft, block_size)
+    replay = DFlashReplay(block_size)
+    ros, report = rollout(tiny_target, drafter, [list(TRAIN_PROMPTS[0])],  # a prompt the few-step draft knows
+                          GenerationConfig(max_new_tokens=24, stop_on_eos=False), vocab_ids=replay.vocab_ids(dflash_draft))
+    ro = ros[0]
+    assert report.success == 1 and ro.rounds == len(drafter.rounds)
+    assert any(a.accepted > 0 for a in ro.anchors) and any(a.accepted < a.length for a in ro.anchors)
+    K = max(a.length for a in ro.anchors)
+    assert K == drafter.block_size - 1
+    chains = torch.stack([torch.nn.functional.pad(a.chain, (0, K - a.length)) for a in ro.anchors])
+    roots = torch.tensor([a.root for a in ro.anchors])
+    logq = replay.logprobs(dflash_draft, tiny_target, ro.tokens, roots, chains)  # [M, K, V]
+    assert logq.requires_grad
+    for m, (a, proposed) in enumerate(zip(ro.anchors, drafter.rounds)):
+        torch.testing.assert_close(logq[m, : a.length].detach(), proposed[: a.length], atol=1e-5, rtol=1e-5)
+    if block_size is not None:  # the trained block is another distribution: the replay must know the block
+        other = DFlashReplay(None).logprobs(dflash_draft, tiny_target, ro.tokens, roots, chains)
+        assert not torch.allclose(other, logq, atol=1e-4)
+    with pytest.raises(ValueError, match="block_size"):
+        DFlashReplay(3).logprobs(dflash_draft, tiny_target, ro.tokens, roots, chains)
+
+
+def test_draft_opd_steps_a_dflash_student(tiny_target, dflash_draft):
+    """method=draft_opd_dflash composed from the real conf/: a rollout phase and replay steps move the
+    DFlash draft, and the opd/* counts come from its blocks."""
+    from draftlab.methods.registry import MethodSpec
+    from tests.decoding.conformance.methods import CPU_KNOBS, sequences
+
+    spec = MethodSpec.from_name("draft_opd_dflash", ["method.module.refresh_every=2"])
+    assert spec.cfg.student.name == "dflash" and spec.axes()["student"] == "dflash"
+    draft = copy.deepcopy(dflash_draft).train()
+    module = spec.build_module(draft, tiny_target)
+    module.log_dict = lambda *a, **k: None  # no trainer attached
+    module.generation.max_new_tokens = CPU_KNOBS["module.generation.max_new_tokens"]
+    seqs = sequences(tiny_target)[:2]
+    batch = {"input_ids": torch.tensor([s[:20] for s in seqs]), "attention_mask": torch.ones(2, 20, dtype=torch.long),
+             "loss_mask": torch.tensor([[0] * 12 + [1] * 8] * 2)}
+    before = [p.detach().clone() for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(2):
+        loss = module.training_step(batch, step)
+        assert torch.isfinite(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert module.buffer_phase == 0 and module.buffer
+    assert all(a.length <= draft.config.block_size - 1 for r in module.buffer for a in r.anchors)
+    after = [p.detach() for p in draft.parameters() if p.requires_grad]
+    assert any(not torch.equal(b, a) for b, a in zip(before, after))
 
 
 # ---- the objective -------------------------------------------------------------------------------------

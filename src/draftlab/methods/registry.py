@@ -114,12 +114,14 @@ class MethodSpec:
     def axes(self) -> dict[str, Any]:
         """``{axis: value}`` for the comparison axes this method declares (``axes: {nodes: drafter.total_tokens}``)."""
         out = {}
-        owner = self.cfg if "axes" in self.cfg or "student" not in self.cfg else self.cfg.student
-        for axis, path in (owner.get("axes") or {}).items():
-            value = OmegaConf.select(owner, str(path), throw_on_missing=False, default=_ABSENT)
-            if value is _ABSENT:
-                raise ValueError(f"method '{self.name}': axis '{axis}' points at '{path}', which the config lacks")
-            out[str(axis)] = value  # null is a setting too (a default the method resolves itself)
+        # A student's axes first (paths inside the student's config), then the method's own on top.
+        owners = ([self.cfg.student] if "student" in self.cfg else []) + [self.cfg]
+        for owner in owners:
+            for axis, path in (owner.get("axes") or {}).items():
+                value = OmegaConf.select(owner, str(path), throw_on_missing=False, default=_ABSENT)
+                if value is _ABSENT:
+                    raise ValueError(f"method '{self.name}': axis '{axis}' points at '{path}', which the config lacks")
+                out[str(axis)] = value  # null is a setting too (a default the method resolves itself)
         return out
 
     # ---- seams -------------------------------------------------------------------------------------

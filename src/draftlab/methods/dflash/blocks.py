@@ -126,13 +126,17 @@ def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask
                   labels=labels, label_valid=valid, ctx_mask=context_mask(anchors, attention_mask, bs))
 
 
-def block_logits(draft: DFlashDraft, aux: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """Draft logits ``[B, A, bs-1, V]`` of the labelled slots of every packed block."""
+def block_logits(draft: DFlashDraft, aux: torch.Tensor, blocks: Blocks, block_size: int | None = None) -> torch.Tensor:
+    """Draft logits ``[B, A, bs-1, V]`` of the labelled slots of every packed block.
+
+    ``block_size``: the blocks' size when it is not the draft's trained one (a drafter may run shorter blocks).
+    """
     B, T = aux.shape[:2]
-    bs = draft.config.block_size
+    bs = block_size or draft.config.block_size
     ctx = draft.fuse(aux)  # [B, T, d]
     ctx_kv = draft.context_kv(ctx, torch.arange(T, device=aux.device))
-    hidden = draft.forward_blocks(blocks.block_ids, blocks.positions, ctx_kv, blocks.ctx_mask)  # [B, A*bs, d]
+    hidden = draft.forward_blocks(blocks.block_ids, blocks.positions, ctx_kv, blocks.ctx_mask,
+                                  block_size=bs)  # [B, A*bs, d]
     A = blocks.anchors.shape[1]
     # The anchor slot has no label: skip its LM head (a V-wide row per block). Flattened to one matrix:
     # a strided 4-D input would make the head a batched matmul over copies of the [V, d] weight.

@@ -19,8 +19,10 @@ from draftlab.targets.base import LayerConvention, to_convention
 
 def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers: int = 5, num_taps: int = 5,
                 block_size: int = 16, mask_token_id: int | None = None, intermediate_size: int | None = None,
-                init_norm_from_target: bool = True, seed: int | None = None, **overrides: Any) -> DFlashDraft:
-    """A fresh DFlash draft sized like ``target`` and sharing its (frozen) embedding and LM head.
+                init_norm_from_target: bool = True, seed: int | None = None, init: dict | None = None,
+                **overrides: Any) -> DFlashDraft:
+    """A fresh DFlash draft sized like ``target`` and sharing its (frozen) embedding and LM head, or one
+    continued from ``init.from`` (a DFlash artifact directory: on-policy training starts from a trained draft).
 
     taps             target layers to read, in ``target.layer_convention``; None = DFlash's ``num_taps``
                      layers spread over the target's depth (``config.default_taps``, counted output_of).
@@ -36,6 +38,18 @@ def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers
     if vocab is not None:
         raise ValueError("DFlash predicts through the target's own LM head over the full vocabulary; "
                          "set method.draft_vocab_size: null (no reduced draft vocabulary)")
+    init = {k: v for k, v in (init or {}).items() if v is not None}
+    if init.get("from"):
+        draft = load_artifact(init["from"], target=target)
+        asked = {"num_layers": num_layers, "block_size": block_size, "target_layer_ids": taps,
+                 "mask_token_id": mask_token_id, "intermediate_size": intermediate_size, **overrides}
+        clash = {k: (v, getattr(draft.config, k)) for k, v in asked.items()
+                 if v is not None and getattr(draft.config, k) != (list(v) if k == "target_layer_ids" else v)}
+        if clash:
+            raise ValueError(f"method.draft.init.from={init['from']} disagrees with method.draft "
+                             f"(configured, loaded): {clash}")
+        draft.to(target.dtype).share_target_weights(target)
+        return draft
     g = target.geometry
     conv = LayerConvention(target.layer_convention)
     if taps is None:
