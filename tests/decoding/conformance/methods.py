@@ -72,7 +72,9 @@ def quick_train(spec: MethodSpec, target, *, steps: int = TRAIN_STEPS, lr: float
         draft = copy.deepcopy(quick_train(spec.student, target)).train()
         lr = min(lr, CONTINUE_LR)
     else:
-        draft = spec.build_draft(target, vocab_for(spec, target, seqs))
+        with torch.random.fork_rng():  # the same initial draft in every process, whatever ran before
+            torch.manual_seed(0)
+            draft = spec.build_draft(target, vocab_for(spec, target, seqs))
     # Several copies per sequence, so that the datamodule's validation split leaves training batches.
     samples = [RenderedSample(input_ids=s, loss_mask=[0] * (len(p) - 1) + [1] * (len(s) - len(p) + 1), id=f"{i}-{c}")
                for c in range(4) for i, (p, s) in enumerate(zip(TRAIN_PROMPTS, seqs))]

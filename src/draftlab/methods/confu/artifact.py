@@ -50,12 +50,27 @@ def load_confu(path: str | Path, *, target) -> ConFuDraft:
 # ---- registry entries (conf/method/confu.yaml) -------------------------------------------------------
 
 
-def build_draft(*, target, vocab=None, taps: list[int] | None = None, **fields) -> ConFuDraft:
-    """The registry's ``draft`` builder: ``model.build_confu_draft`` with the method's taps."""
+def build_draft(*, target, vocab=None, taps: list[int] | None = None, init: dict | None = None,
+                **fields) -> ConFuDraft:
+    """The registry's ``draft`` builder: ``model.build_confu_draft`` with the method's taps.
+
+    ``init.from`` (on-policy training continues a trained draft): a ConFu artifact is continued as it is
+    (a configured field that disagrees with it raises); anything else is an EAGLE-3 start, as ``init_from``.
+    """
     from draftlab.methods.confu.model import build_confu_draft
     from draftlab.targets.base import default_aux_layer_ids
 
     fields = {k: v for k, v in fields.items() if v is not None}
+    start = (init or {}).get("from")
+    if start is not None and is_confu_artifact(start):
+        draft = load_confu(start, target=target)
+        clash = {k: (v, getattr(draft.config, k, None)) for k, v in fields.items()
+                 if k != "init_from" and getattr(draft.config, k, None) != v}
+        if clash:
+            raise ValueError(f"method.draft.init.from={start} disagrees with method.draft (configured, loaded): {clash}")
+        return draft
+    if start is not None:
+        fields["init_from"] = start
     if fields.get("init_from") is None:
         fields["aux_layer_ids"] = list(taps) if taps is not None else default_aux_layer_ids(
             target.geometry.num_layers, target.layer_convention)

@@ -117,33 +117,40 @@ def future_visibility(anchors: torch.Tensor, length: int, window: int) -> torch.
 
 def future_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                          attention_mask: torch.Tensor | None, future_k: torch.Tensor, future_v: torch.Tensor,
-                         future_mask: torch.Tensor, scale: float) -> torch.Tensor:
+                         future_mask: torch.Tensor, scale: float, query_rows: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """TTT step ``len(keys) - 1`` (see ``eagle3.ttt.ttt_attention``) plus a block of future keys.
 
     q [B, H, T, hd]; keys/values per step, each [B, Hkv, T, hd]; future_k/v [B, Hkv, K, hd];
     future_mask bool [B, T, K] -> [B, H, T, hd]. Scores: causal over step-0 keys, the future keys the row
     may see, and the row's own keys of steps 1..k (elementwise), under one softmax.
+    ``query_rows`` [M]: only these rows are unrolled (q and the keys of steps 1..k hold M rows), as in
+    ``ttt_attention``; each sees the step-0 keys up to its own row and its own row of ``future_mask``.
     """
-    B, H, T, hd = q.shape
-    Hkv, K = keys[0].shape[1], future_k.shape[2]
+    B, H, M, hd = q.shape
+    T, Hkv, K = keys[0].shape[2], keys[0].shape[1], future_k.shape[2]
     G = H // Hkv
-    qf = q.reshape(B, Hkv, G * T, hd)  # heads h = kv * G + g share KV head kv
-    qg = q.reshape(B, Hkv, G, T, hd)
+    qf = q.reshape(B, Hkv, G * M, hd)  # heads h = kv * G + g share KV head kv
+    qg = q.reshape(B, Hkv, G, M, hd)
     ct = torch.promote_types(q.dtype, torch.float32)
     low = torch.finfo(ct).min
-    prefix = torch.matmul(qf, keys[0].transpose(-1, -2)).view(B, Hkv, G, T, T).to(ct) * scale  # [B, Hkv, G, T, T]
-    prefix = prefix.masked_fill(~causal_mask(T, attention_mask, device=q.device)[:, None, None], low)
-    fut = torch.matmul(qf, future_k.transpose(-1, -2)).view(B, Hkv, G, T, K).to(ct) * scale  # [B, Hkv, G, T, K]
+    mask = causal_mask(T, attention_mask, device=q.device)  # [B|1, T, T]
+    if query_rows is not None:
+        rows = query_rows.to(q.device)
+        mask, future_mask = mask[:, rows], future_mask[:, rows]  # [B|1, M, T], [B, M, K]
+    prefix = torch.matmul(qf, keys[0].transpose(-1, -2)).view(B, Hkv, G, M, T).to(ct) * scale  # [B, Hkv, G, M, T]
+    prefix = prefix.masked_fill(~mask[:, None, None], low)
+    fut = torch.matmul(qf, future_k.transpose(-1, -2)).view(B, Hkv, G, M, K).to(ct) * scale  # [B, Hkv, G, M, K]
     fut = fut.masked_fill(~future_mask[:, None, None], low)
     parts = [prefix, fut]
     if len(keys) > 1:
         parts.append(torch.stack([(qg * k_i[:, :, None]).sum(-1) for k_i in keys[1:]], -1).to(ct) * scale)
-    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1).to(values[0].dtype)  # [B, Hkv, G, T, T + K + k]
-    out = torch.matmul(probs[..., :T].reshape(B, Hkv, G * T, T), values[0]).view(B, Hkv, G, T, hd)
-    out = out + torch.matmul(probs[..., T:T + K].reshape(B, Hkv, G * T, K), future_v).view(B, Hkv, G, T, hd)
+    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1).to(values[0].dtype)  # [B, Hkv, G, M, T + K + k]
+    out = torch.matmul(probs[..., :T].reshape(B, Hkv, G * M, T), values[0]).view(B, Hkv, G, M, hd)
+    out = out + torch.matmul(probs[..., T:T + K].reshape(B, Hkv, G * M, K), future_v).view(B, Hkv, G, M, hd)
     for i, v_i in enumerate(values[1:]):
-        out = out + probs[..., T + K + i, None] * v_i[:, :, None]  # [B, Hkv, G, T, hd]
-    return out.reshape(B, H, T, hd)
+        out = out + probs[..., T + K + i, None] * v_i[:, :, None]  # [B, Hkv, G, M, hd]
+    return out.reshape(B, H, M, hd)
 
 
 def naive_future_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -165,6 +172,7 @@ class FutureTTTAttention(TTTAttention):
     future_kv    one ``(k, v)`` pair per draft layer, each [B, Hkv, K, hd] (from ``ConFuDraft.future_kv``).
     future_mask  bool [B, T, K] (``future_visibility``); the same at every TTT step, as at inference,
                  where a round's tree nodes all see the round's future token.
+    ``query_rows`` (set after step 0) unrolls only those rows, as ``TTTAttention``'s does.
     """
 
     def __init__(self, attention_mask: torch.Tensor | None, future_kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -178,6 +186,9 @@ class FutureTTTAttention(TTTAttention):
         keys.append(k)
         values.append(v)
         fk, fv = self.future_kv[layer]
+        if self.query_rows is not None and len(keys) > 1:
+            return future_ttt_attention(q, keys, values, self.attention_mask, fk, fv, self.future_mask, scale,
+                                        self.query_rows)
         fn = naive_future_ttt_attention if self.naive else future_ttt_attention
         return fn(q, keys, values, self.attention_mask, fk, fv, self.future_mask, scale)
 

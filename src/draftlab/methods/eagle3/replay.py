@@ -39,6 +39,12 @@ class Eagle3Replay:
                                  aux_layer_ids=draft.tapped_layers(target))
         return out.aux_hidden
 
+    def prepare(self, draft: Eagle3Draft, target, tokens: torch.Tensor, rows: torch.Tensor, features
+                ) -> tuple[torch.Tensor, TTTAttention]:
+        """The step-0 inputs ``[1, T, 3*d_t]`` and the unroll's attention, given ``features`` (``features``)
+        and the rows the rounds drafted from: what a method extending EAGLE-3 overrides (ConFu's futures)."""
+        return features, TTTAttention(None)
+
     def logprobs(self, draft: Eagle3Draft, target, tokens: torch.Tensor, roots: torch.Tensor,
                  chains: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         """Draft log-probs ``[M, K, V_d]`` (with gradients) along ``chains``.
@@ -58,9 +64,9 @@ class Eagle3Replay:
         if int(roots.min()) < 1 or int(roots.max()) >= T:
             raise ValueError(f"roots must lie in [1, {T - 1}] for a sequence of {T} tokens, got "
                              f"{int(roots.min())}..{int(roots.max())}")
-        aux = features if features is not None else self.features(draft, target, tokens)  # [1, T, 3*d_t]
         rows = roots - 1  # [M] the committed row that consumes each root
-        attention = TTTAttention(None)
+        aux, attention = self.prepare(draft, target, tokens, rows,
+                                      features if features is not None else self.features(draft, target, tokens))
         ids0 = torch.zeros(1, T, dtype=torch.long, device=device)
         ids0[0, : T - 1] = tokens[1:]  # row t consumes x_{t+1}
         positions = torch.arange(T, device=device)[None]  # [1, T]
