@@ -158,6 +158,41 @@ def test_from_eagle3_copies_weights_and_initialises_the_rest(tiny_target, tmp_pa
     assert fresh.config.future_window == 1
 
 
+def test_registry_builder_continues_a_confu_artifact_or_starts_from_eagle3(tiny_target, tmp_path):
+    """``method.draft.init.from`` (on-policy training): a ConFu artifact continues as it is, a configured field
+    that disagrees raises, and an EAGLE-3 export starts a ConFu draft as ``init_from`` does."""
+    from draftlab.methods.confu.artifact import build_draft, save_confu
+
+    base = _eagle3(tiny_target)
+    draft = ConFuDraft.from_eagle3(base, num_soft_prompts=4, n_experts=3)
+    save_confu(draft, tmp_path / "confu")
+    continued = build_draft(target=tiny_target, init={"from": str(tmp_path / "confu")}, num_layers=1,
+                            num_soft_prompts=4, init_from=str(tmp_path / "confu"))
+    for k, v in draft.state_dict().items():
+        assert torch.equal(continued.state_dict()[k], v), k
+    with pytest.raises(ValueError, match=r"init.from=.*num_soft_prompts"):
+        build_draft(target=tiny_target, init={"from": str(tmp_path / "confu")}, num_soft_prompts=8)
+    save_native(base, tmp_path / "e3", verifier=tiny_target)
+    started = build_draft(target=tiny_target, init={"from": str(tmp_path / "e3")}, num_layers=1, n_experts=5)
+    assert started.config.n_experts == 5 and torch.equal(started.fc.weight, base.fc.weight)
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_future_ttt_attention_over_query_rows_equals_those_rows_of_the_full_step(steps):
+    torch.manual_seed(0)
+    B, H, Hkv, T, K, hd = 1, 4, 2, 9, 3, 8
+    q = torch.randn(B, H, T, hd)
+    keys = [torch.randn(B, Hkv, T, hd) for _ in range(steps)]
+    values = [torch.randn(B, Hkv, T, hd) for _ in range(steps)]
+    fk, fv = torch.randn(B, Hkv, K, hd), torch.randn(B, Hkv, K, hd)
+    fmask = future_visibility(torch.tensor([[1, 4, 6]]), T, window=2)
+    full = future_ttt_attention(q, keys, values, None, fk, fv, fmask, 0.3)
+    rows = torch.tensor([1, 4, 6])
+    part = future_ttt_attention(q[:, :, rows], [keys[0]] + [k[:, :, rows] for k in keys[1:]],
+                                [values[0]] + [v[:, :, rows] for v in values[1:]], None, fk, fv, fmask, 0.3, rows)
+    torch.testing.assert_close(part, full[:, :, rows], atol=1e-6, rtol=1e-6)
+
+
 # ---- the grad-enabled target pass ------------------------------------------------------------------------
 
 
