@@ -16,3 +16,10 @@ python $HERE/categories.py "$OUT/eval" --out $HERE/table_categories
 ls "$OUT"/sweep/*/record.json >/dev/null 2>&1 || draftlab-train -m experiment=specbound_smollm2 bench.per_category=1 \
     eval.baselines=null method.drafter.alpha=0.5,1.0 method.drafter.tau=0.3,0.5 hydra.sweep.dir="$OUT/sweep"
 draftlab-table "$OUT/sweep" --layout methods --format both --out $HERE/table_sweep
+# The decoded sweep over the bounds (d_max x w_max, at the stricter exit rules tau 0.5 / 0.7 with alpha 1.0; 1
+# question per category, ~4.5 min per point), drafting from the trained heads; skipped once its records exist.
+HEADS=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['artifacts']['draft'])" "$OUT/train/record.json")
+ls "$OUT"/sweep_bounds/*/record.json >/dev/null 2>&1 || draftlab-eval -m experiment=specbound_smollm2 \
+    draft_path="$HEADS" bench.per_category=1 eval.baselines=null method.drafter.alpha=1.0 \
+    method.drafter.tau=0.5,0.7 method.drafter.d_max=18,24 method.drafter.w_max=3,6 hydra.sweep.dir="$OUT/sweep_bounds"
+python $HERE/sweep.py "$OUT/sweep_bounds" --out $HERE/sweep_bounds

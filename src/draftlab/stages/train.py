@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftlab.methods.registry import MethodSpec
 from draftlab.stages.data import target_identity
+from draftlab.training.precision import resolve_precision
 from draftlab.utils.atomic import atomic_dir, atomic_write_text
 from draftlab.utils.hashing import content_key
 from draftlab.utils.logging import get_logger
@@ -134,6 +135,7 @@ def train_key(cfg: DictConfig, data_key: str) -> str:
     """Content key of a trained draft (see the module docstring)."""
     spec = MethodSpec(cfg.method)
     trainer = {k: cfg.trainer.get(k) for k in _TRAINER_KEYS_IN_KEY}
+    trainer["precision"] = resolve_precision(trainer["precision"], cfg.trainer.get("accelerator"))
     # The convention names the taps in the method config, so it is part of what the draft reads.
     convention = OmegaConf.select(cfg, "target.layer_convention")
     return content_key("train/2", spec.key_config(), target_identity(cfg), convention, data_key, trainer, cfg.seed)
@@ -182,7 +184,10 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
     module = spec.build_module(draft, target)
     callbacks, history = _callbacks(cfg, root, spec.monitor,
                                     has_val=float(spec.block("data").get("val_fraction") or 0) > 0)
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
+    precision = resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator"))
+    if precision != cfg.trainer.get("precision"):
+        log.info("trainer.precision=auto: %s on this machine", precision)
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, precision=precision,
                           default_root_dir=str(root), use_distributed_sampler=False)
     resume = root / "checkpoints" / "resume.ckpt"
     ckpt_path = str(resume) if resume.exists() else None
