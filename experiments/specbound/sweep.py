@@ -69,7 +69,7 @@ def main() -> None:
     for p in points:
         ax.scatter(p["tau_avg"], p["sr"], s=18 + 6 * p["w_max"], c=[[p["d_max"] / 30, 0.3, 1 - p["d_max"] / 30]])
         ax.annotate(f"τ{p['tau']} d{p['d_max']} w{p['w_max']}", (p["tau_avg"], p["sr"]), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points")
+                    xytext=(3, 3 if p["w_max"] > 3 else -10), textcoords="offset points")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("AVG τ (tokens per verify round)")
     ax.set_ylabel("AVG SR (tok/s over AR, same process)")
