@@ -35,10 +35,13 @@ def test_the_training_key_holds_the_resolved_precision(monkeypatch, tmp_path):
     from tests.test_configs import _compose
 
     cfg = _compose(["experiment=quickstart"], tmp_path)
-    assert cfg.trainer.precision == "auto"
     monkeypatch.setattr(P, "native_bf16_cpu", lambda: False)
+    assert cfg.trainer.precision == "32-true"  # the config's resolver, read by Lightning and the key alike
     fp32_key = train_key(cfg, "data")
     explicit = OmegaConf.merge(cfg, {"trainer": {"precision": "32-true"}})
     assert train_key(explicit, "data") == fp32_key  # auto on this CPU is the same run as asking for fp32
     monkeypatch.setattr(P, "native_bf16_cpu", lambda: True)
+    assert cfg.trainer.precision == "bf16-mixed"
     assert train_key(cfg, "data") != fp32_key
+    auto = OmegaConf.merge(cfg, {"trainer": {"precision": "auto"}})  # trainer.precision=auto on the command line
+    assert train_key(auto, "data") == train_key(cfg, "data")

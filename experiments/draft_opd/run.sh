@@ -27,16 +27,31 @@ BASE=$(record "$OUT/sft")
     method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" "${FP32[@]}" \
     eval.enabled=false logger=csv hydra.run.dir="$OUT/opd"
 
+# 2b. The paper's ablations, each the Draft-OPD arm above with one setting changed (ABLATIONS="" skips them):
+#     no decay (gamma 1), all forward KL, all reverse KL, random anchors; and the official sampled estimators.
+declare -A ABL=([nodecay]=method.module.objective.gamma=1.0 [forward]=method.module.objective.divergence=forward
+                [reverse]=method.module.objective.divergence=reverse [random]=method.module.anchors=random
+                [sampled]=method.module.objective.estimator=sampled)
+for arm in ${ABLATIONS-nodecay forward reverse random sampled}; do
+  [ -f "$OUT/opd_$arm/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init_draft="$BASE" \
+      "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
+      method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
+      method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" "${FP32[@]}" \
+      "${ABL[$arm]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/opd_$arm"
+done
+
 # 3. Continued SFT for $MIN minutes on the supervised data (its features are already cached).
 [ -f "$OUT/sft_more/record.json" ] || draftlab-train experiment=quickstart method=eagle3_continue \
     init_draft="$BASE" trainer.max_epochs=1000 +trainer.max_time="$BUDGET" method.data.val_fraction=0 "${FP32[@]}" \
     eval.enabled=false logger=csv hydra.run.dir="$OUT/sft_more"
 
 # 4. Each draft on Spec-Bench (one question per category, 128 tokens, T=0) against AR in its own process.
-for arm in sft opd sft_more; do
+# EVAL_ARMS="sft opd_forward ..." evaluates only those (the drafts are deterministic at T=0, so tau is the
+# same in any process; SR needs its own AR run, measured beside each draft).
+for arm in ${EVAL_ARMS-sft opd sft_more $(for a in ${ABLATIONS-nodecay forward reverse random sampled}; do echo "opd_$a"; done)}; do
   [ -f "$OUT/eval_$arm/record.json" ] || draftlab-eval experiment=quickstart method=eagle3 \
       draft_path="$(record "$OUT/$arm")" bench=specbench bench.per_category=1 eval.max_new_tokens=128 \
       "${TREE[@]}" eval.baselines.pld=null eval.baselines.suffix=null logger=csv hydra.run.dir="$OUT/eval_$arm"
 done
-draftlab-report "$OUT/eval_sft" "$OUT/eval_opd" "$OUT/eval_sft_more" --name "SFT (start)" --name "Draft-OPD" \
-    --name "SFT continued" --out experiments/draft_opd/report --format md
+[ -n "${EVAL_ARMS-}" ] || draftlab-report "$OUT/eval_sft" "$OUT/eval_opd" "$OUT/eval_sft_more" --name "SFT (start)" \
+    --name "Draft-OPD" --name "SFT continued" --out experiments/draft_opd/report --format md

@@ -5,6 +5,10 @@ trained under bf16 autocast ran about 10x slower than in fp32 (experiments/draft
 CPU has the instructions, bf16 autocast was 1.03-1.33x faster (experiments/train_ablation). So a config that
 wants "the fast one" says ``auto`` and each machine gets its own; the resolved value enters the training key,
 since the two train different weights.
+
+In a config: ``precision: ${auto_precision:${trainer.accelerator}}`` (the resolver is registered when
+draftlab is imported), so every reader of the config, Lightning included, sees a value it accepts;
+``trainer.precision=auto`` on the command line is resolved the same way by the train stage.
 """
 
 from __future__ import annotations
@@ -36,3 +40,11 @@ def resolve_precision(precision, accelerator: str | None = "cpu") -> str:
     if str(accelerator) in ("gpu", "cuda"):
         return "bf16-mixed"
     return "bf16-mixed" if native_bf16_cpu() else "32-true"
+
+
+def register_resolver() -> None:
+    """``${auto_precision:<accelerator>}`` for configs (idempotent)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("auto_precision"):
+        OmegaConf.register_new_resolver("auto_precision", lambda accelerator="cpu": resolve_precision(AUTO, accelerator))
