@@ -28,11 +28,12 @@ BASE=$(record "$OUT/sft")
     eval.enabled=false logger=csv hydra.run.dir="$OUT/opd"
 
 # 2b. The paper's ablations, each the Draft-OPD arm above with one setting changed (ABLATIONS="" skips them):
-#     no decay (gamma 1), all forward KL, all reverse KL, random anchors; and the official sampled estimators.
-declare -A ABL=([nodecay]=method.module.objective.gamma=1.0 [forward]=method.module.objective.divergence=forward
+#     no decay (gamma 1), all forward KL, all reverse KL, random anchors; the official sampled estimators; and
+#     the Draft-OPD arm itself with another seed (other prompts and order), for the spread of one setting.
+declare -A ABL=([seed1]=seed=1 [nodecay]=method.module.objective.gamma=1.0 [forward]=method.module.objective.divergence=forward
                 [reverse]=method.module.objective.divergence=reverse [random]=method.module.anchors=random
                 [sampled]=method.module.objective.estimator=sampled)
-for arm in ${ABLATIONS-nodecay forward reverse random sampled}; do
+for arm in ${ABLATIONS-seed1 nodecay forward reverse random sampled}; do
   [ -f "$OUT/opd_$arm/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init_draft="$BASE" \
       "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
       method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
@@ -48,10 +49,67 @@ done
 # 4. Each draft on Spec-Bench (one question per category, 128 tokens, T=0) against AR in its own process.
 # EVAL_ARMS="sft opd_forward ..." evaluates only those (the drafts are deterministic at T=0, so tau is the
 # same in any process; SR needs its own AR run, measured beside each draft).
-for arm in ${EVAL_ARMS-sft opd sft_more $(for a in ${ABLATIONS-nodecay forward reverse random sampled}; do echo "opd_$a"; done)}; do
+for arm in ${EVAL_ARMS-sft opd sft_more $(for a in ${ABLATIONS-seed1 nodecay forward reverse random sampled}; do echo "opd_$a"; done)}; do
   [ -f "$OUT/eval_$arm/record.json" ] || draftlab-eval experiment=quickstart method=eagle3 \
       draft_path="$(record "$OUT/$arm")" bench=specbench bench.per_category=1 eval.max_new_tokens=128 \
       "${TREE[@]}" eval.baselines.pld=null eval.baselines.suffix=null logger=csv hydra.run.dir="$OUT/eval_$arm"
 done
-[ -n "${EVAL_ARMS-}" ] || draftlab-report "$OUT/eval_sft" "$OUT/eval_opd" "$OUT/eval_sft_more" --name "SFT (start)" \
+[ -f "$OUT/eval_sft/record.json" ] && [ -f "$OUT/eval_opd/record.json" ] && [ -f "$OUT/eval_sft_more/record.json" ] &&
+  draftlab-report "$OUT/eval_sft" "$OUT/eval_opd" "$OUT/eval_sft_more" --name "SFT (start)" \
     --name "Draft-OPD" --name "SFT continued" --out experiments/draft_opd/report --format md
+
+# 5. GSM8K test questions never trained on (Spec-Bench's math_reasoning rows are GSM8K test; none is in the
+#    GSM8K train prompts), 10 questions, same drafter.
+for arm in ${GSM8K_ARMS-sft sft_more opd opd_seed1 opd_forward}; do
+  [ -f "$OUT/gsm8k_$arm/record.json" ] || draftlab-eval experiment=quickstart method=eagle3 \
+      draft_path="$(record "$OUT/$arm")" bench=specbench 'bench.categories=[math_reasoning]' bench.per_category=10 \
+      eval.max_new_tokens=128 "${TREE[@]}" eval.baselines.pld=null eval.baselines.suffix=null logger=csv \
+      hydra.run.dir="$OUT/gsm8k_$arm"
+done
+
+# 6. Held-out tau against training time (the plateau of the paper's Figure 1): continued SFT and Draft-OPD for
+#    CURVE_MIN minutes (default 15) with a checkpoint every CURVE_EVERY minutes (5), run side by side on one
+#    core each, so both arms get the same CPU time; then every checkpoint decodes Spec-Bench (one question
+#    per category, 96 tokens, T=0) with the evaluated tree (curve.py).
+CMIN=${CURVE_MIN:-15}
+CBUDGET=$(printf "00:00:%02d:00" "$CMIN")
+CKPT=(callbacks.model_checkpoint.save_top_k=-1 +callbacks.model_checkpoint.train_time_interval._target_=datetime.timedelta
+      +callbacks.model_checkpoint.train_time_interval.minutes="${CURVE_EVERY:-5}")
+if [ ! -f "$OUT/curve_opd/record.json" ] || [ ! -f "$OUT/curve_sft/record.json" ]; then
+  OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_smollm2 init_draft="$BASE" \
+      "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
+      method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
+      method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$CBUDGET" "${FP32[@]}" \
+      "${CKPT[@]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/curve_opd" & P1=$!
+  OMP_NUM_THREADS=1 draftlab-train experiment=quickstart method=eagle3_continue \
+      init_draft="$BASE" trainer.max_epochs=1000 +trainer.max_time="$CBUDGET" method.data.val_fraction=0 "${FP32[@]}" \
+      "${CKPT[@]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/curve_sft" & P2=$!
+  wait "$P1"; wait "$P2"   # set -e: either arm failing stops the script
+fi
+python experiments/draft_opd/curve.py --start "$BASE" "$OUT/curve_sft" "$OUT/curve_opd" \
+    --name "SFT continued" --name "Draft-OPD" --out experiments/draft_opd/curve
+
+# 7. The DFlash student: a supervised DFlash draft (block 4; experiment=dflash_smollm2's 32 regenerated
+#    conversations, 10 minutes), then Draft-OPD and continued supervised training from it for $MIN minutes
+#    each (DFLASH=0 skips). Evaluated as above: Spec-Bench (one per category) and GSM8K test (10).
+if [ "${DFLASH:-1}" = 1 ]; then
+  B4=(method.draft.block_size=4)
+  [ -f "$OUT/dflash_sft/record.json" ] || draftlab-train experiment=dflash_smollm2 "${B4[@]}" eval.enabled=false \
+      logger=csv hydra.run.dir="$OUT/dflash_sft"
+  DBASE=$(record "$OUT/dflash_sft")
+  [ -f "$OUT/dflash_opd/record.json" ] || draftlab-train experiment=draft_opd_dflash_smollm2 init_draft="$DBASE" \
+      "${B4[@]/#method./method.student.}" method.module.refresh_every=8 method.module.sequences_per_step=4 \
+      method.module.generation.max_new_tokens=96 method.module.optimizer.lr=3e-4 method.data.val_fraction=0 \
+      trainer.max_time="$BUDGET" "${FP32[@]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/dflash_opd"
+  [ -f "$OUT/dflash_sft_more/record.json" ] || draftlab-train experiment=dflash_smollm2 "${B4[@]}" \
+      +method.draft.init.from="$DBASE" trainer.max_time="$BUDGET" method.data.val_fraction=0 "${FP32[@]}" \
+      eval.enabled=false logger=csv hydra.run.dir="$OUT/dflash_sft_more"
+  for arm in dflash_sft dflash_opd dflash_sft_more; do
+    [ -f "$OUT/eval_$arm/record.json" ] || draftlab-eval experiment=smollm2_small method=dflash \
+        draft_path="$(record "$OUT/$arm")" bench=specbench bench.per_category=1 eval.max_new_tokens=128 \
+        logger=csv hydra.run.dir="$OUT/eval_$arm"
+    [ -f "$OUT/gsm8k_$arm/record.json" ] || draftlab-eval experiment=smollm2_small method=dflash \
+        draft_path="$(record "$OUT/$arm")" bench=specbench 'bench.categories=[math_reasoning]' bench.per_category=10 \
+        eval.max_new_tokens=128 logger=csv hydra.run.dir="$OUT/gsm8k_$arm"
+  done
+fi
