@@ -91,19 +91,23 @@ python experiments/draft_opd/curve.py --start "$BASE" "$OUT/curve_sft" "$OUT/cur
 
 # 7. The DFlash student: a supervised DFlash draft (block 4; experiment=dflash_smollm2's 32 regenerated
 #    conversations, 10 minutes), then Draft-OPD and continued supervised training from it for $MIN minutes
-#    each (DFLASH=0 skips). Evaluated as above: Spec-Bench (one per category) and GSM8K test (10).
+#    each on one core (DFLASH=0 skips). Evaluated as above: Spec-Bench (one per category) and GSM8K test (10).
 if [ "${DFLASH:-1}" = 1 ]; then
   B4=(method.draft.block_size=4)
   [ -f "$OUT/dflash_sft/record.json" ] || draftlab-train experiment=dflash_smollm2 "${B4[@]}" eval.enabled=false \
       logger=csv hydra.run.dir="$OUT/dflash_sft"
   DBASE=$(record "$OUT/dflash_sft")
-  [ -f "$OUT/dflash_opd/record.json" ] || draftlab-train experiment=draft_opd_dflash_smollm2 init_draft="$DBASE" \
-      "${B4[@]/#method./method.student.}" method.module.refresh_every=8 method.module.sequences_per_step=4 \
-      method.module.generation.max_new_tokens=96 method.module.optimizer.lr=3e-4 method.data.val_fraction=0 \
-      trainer.max_time="$BUDGET" "${FP32[@]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/dflash_opd"
-  [ -f "$OUT/dflash_sft_more/record.json" ] || draftlab-train experiment=dflash_smollm2 "${B4[@]}" \
-      +method.draft.init.from="$DBASE" trainer.max_time="$BUDGET" method.data.val_fraction=0 "${FP32[@]}" \
-      eval.enabled=false logger=csv hydra.run.dir="$OUT/dflash_sft_more"
+  # The two arms side by side on one core each, as the time curve: any other load hits both alike.
+  if [ ! -f "$OUT/dflash_opd/record.json" ] || [ ! -f "$OUT/dflash_sft_more/record.json" ]; then
+    OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_dflash_smollm2 init_draft="$DBASE" \
+        "${B4[@]/#method./method.student.}" method.module.refresh_every=8 method.module.sequences_per_step=4 \
+        method.module.generation.max_new_tokens=96 method.module.optimizer.lr=3e-4 method.data.val_fraction=0 \
+        trainer.max_time="$BUDGET" "${FP32[@]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/dflash_opd" & P1=$!
+    OMP_NUM_THREADS=1 draftlab-train experiment=dflash_smollm2 "${B4[@]}" +method.draft.init.from="$DBASE" \
+        trainer.max_time="$BUDGET" method.data.val_fraction=0 "${FP32[@]}" eval.enabled=false logger=csv \
+        hydra.run.dir="$OUT/dflash_sft_more" & P2=$!
+    wait "$P1"; wait "$P2"
+  fi
   for arm in dflash_sft dflash_opd dflash_sft_more; do
     [ -f "$OUT/eval_$arm/record.json" ] || draftlab-eval experiment=smollm2_small method=dflash \
         draft_path="$(record "$OUT/$arm")" bench=specbench bench.per_category=1 eval.max_new_tokens=128 \
