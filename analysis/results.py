@@ -288,13 +288,15 @@ def baseline_records(record: Record) -> list[Record]:
     return out
 
 
-def load_records(*paths: str | Path, kind: str | None = None, baselines: bool = True) -> list[Record]:
+def load_records(*paths: str | Path, kind: str | None = None, baselines: bool = True,
+                 label: str | None = None) -> list[Record]:
     """All run records under ``paths`` (files or directories, searched recursively), each file once.
 
     Order follows ``paths``, then natural path order within a directory. ``kind`` keeps only ``"eval"``
     or ``"train"`` records. ``baselines``: each record's ``eval.baselines`` follow it as records of their
-    own. A directory with no records is not an error (a sweep may still be running); a path that does
-    not exist is.
+    own. ``label``: the row label of every eval record read (not of its baselines), for arms that
+    evaluated one method from different drafts. A directory with no records is not an error (a sweep may
+    still be running); a path that does not exist is.
     """
     seen: set[Path] = set()
     out: list[Record] = []
@@ -305,6 +307,8 @@ def load_records(*paths: str | Path, kind: str | None = None, baselines: bool = 
                 continue
             seen.add(key)
             record = read_record(f)
+            if record is not None and label is not None and record.has_eval:
+                record = Record(path=record.path, data={**record.data, "eval": {**record.eval, "label": label}})
             if record is not None and (kind is None or record.kind == kind):
                 out.append(record)
                 if baselines:

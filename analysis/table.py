@@ -292,6 +292,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--label", action="append", dest="labels", metavar="LABEL",
                    help="keep only this row label (repeatable; the order given is the row order); "
                         "write --label=-MoE for a label that starts with '-'")
+    p.add_argument("--name", action="append", dest="names", metavar="LABEL",
+                   help="row label of the records under each path, one per path in order (arms that evaluated "
+                        "one method with different drafts: continued SFT, Draft-OPD, ...); the drafters run "
+                        "beside them (eval.baselines) keep their own labels")
     p.add_argument("--bench", help="keep only this bench (needed when records mix benches)")
     p.add_argument("--target", help="keep only this target (needed when records mix targets)")
     p.add_argument("--nodes", type=int, action="append", help="keep only this draft-tree budget (repeatable)")
@@ -307,9 +311,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ``draftlab-table``."""
-    args = _parser().parse_args(argv)
+    # Intermixed: each path may be followed by its --name.
+    args = _parser().parse_intermixed_args(argv)
+    if args.names and len(args.names) != len(args.paths):
+        print(f"draftlab-table: error: {len(args.names)} --name for {len(args.paths)} paths; give one per path",
+              file=sys.stderr)
+        return 2
     try:
-        records = load_records(*args.paths, baselines=args.baselines)
+        if args.names:
+            records = [r for path, name in zip(args.paths, args.names)
+                       for r in load_records(path, baselines=args.baselines, label=name)]
+        else:
+            records = load_records(*args.paths, baselines=args.baselines)
         table = build_table(records, args.layout, labels=args.labels, bench=args.bench, target=args.target,
                             nodes=args.nodes, temperatures=args.temperatures, duplicates=args.duplicates,
                             precision=args.precision)

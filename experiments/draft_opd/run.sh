@@ -117,3 +117,37 @@ if [ "${DFLASH:-1}" = 1 ]; then
         eval.max_new_tokens=128 logger=csv hydra.run.dir="$OUT/gsm8k_$arm"
   done
 fi
+
+# 8. From the recipe's supervised EAGLE-3 draft (RECIPE=<its run dir>, made by experiments/smollm2_eagle3:
+#    `draftlab-train experiment=smollm2_eagle3 eval.enabled=false hydra.run.dir=runs/recipe/train`): Draft-OPD
+#    (experiment=draft_opd_smollm2 as configured: 128-token rollouts with a fixed 8-node tree) and continued SFT
+#    on the recipe's own data (its features are cached), RECIPE_MIN minutes each (default 12), side by side on
+#    one core each. Both at the same constant learning rate (1e-4, no warm-up: a schedule sized for a whole
+#    epoch would still be warming up when the time runs out), so only the data and objective differ.
+#    Then the start and both drafts decode Spec-Bench (one per category) and GSM8K test (10) with the rollouts'
+#    fixed tree (8 nodes, depth 4, top-k 4): a fixed tree makes τ a property of the draft alone.
+if [ -n "${RECIPE:-}" ]; then
+  RBASE=$(record "$RECIPE")
+  RBUDGET=$(printf "00:00:%02d:00" "${RECIPE_MIN:-12}")
+  LR=(method.module.optimizer.lr=1e-4 method.module.schedule.warmup_ratio=0 method.module.schedule.min_ratio=1.0)
+  RTREE=(method.drafter.tree=fixed method.drafter.total_tokens=8 method.drafter.depth=4 method.drafter.top_k=4)
+  if [ ! -f "$OUT/recipe_opd/record.json" ] || [ ! -f "$OUT/recipe_sft_more/record.json" ]; then
+    OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_smollm2 init_draft="$RBASE" method.data.val_fraction=0 \
+        "${LR[@]}" trainer.max_time="$RBUDGET" "${FP32[@]}" eval.enabled=false logger=csv \
+        hydra.run.dir="$OUT/recipe_opd" & P1=$!
+    OMP_NUM_THREADS=1 draftlab-train experiment=smollm2_eagle3 method=eagle3_continue init_draft="$RBASE" \
+        trainer.max_epochs=1000 +trainer.max_time="$RBUDGET" method.data.val_fraction=0 "${LR[@]}" "${FP32[@]}" \
+        eval.enabled=false logger=csv hydra.run.dir="$OUT/recipe_sft_more" & P2=$!
+    wait "$P1"; wait "$P2"
+  fi
+  for arm in recipe recipe_opd recipe_sft_more; do
+    draft=$([ "$arm" = recipe ] && echo "$RBASE" || record "$OUT/$arm")
+    [ -f "$OUT/eval_$arm/record.json" ] || draftlab-eval experiment=smollm2_eagle3 method=eagle3 draft_path="$draft" \
+        bench.per_category=1 "${RTREE[@]}" eval.baselines.pld=null eval.baselines.suffix=null \
+        eval.baselines.hybrid=null eval.baselines.hybrid_gated=null logger=csv hydra.run.dir="$OUT/eval_$arm"
+    [ -f "$OUT/gsm8k_$arm/record.json" ] || draftlab-eval experiment=smollm2_eagle3 method=eagle3 draft_path="$draft" \
+        'bench.categories=[math_reasoning]' bench.per_category=10 "${RTREE[@]}" eval.baselines.pld=null \
+        eval.baselines.suffix=null eval.baselines.hybrid=null eval.baselines.hybrid_gated=null logger=csv \
+        hydra.run.dir="$OUT/gsm8k_$arm"
+  done
+fi

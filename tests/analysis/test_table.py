@@ -147,3 +147,17 @@ def test_table_rows_include_the_baselines_a_run_evaluated(tmp_path, capsys):
     assert "| EAGLE-3 |" in out and "| PLD |" in out
     assert main([str(tmp_path / "grid"), "--layout", "methods", "--no-baselines"]) == 0
     assert "| PLD |" not in capsys.readouterr().out
+
+
+def test_name_labels_the_records_of_each_path(tmp_path, capsys):
+    """Arms that evaluated one method from different drafts (SFT, Draft-OPD) become rows of their own."""
+    rec = make_record(label="EAGLE-3", nodes=6, temperature=0.0, cols=columns(1.2, 0.7))
+    rec["eval"]["baselines"] = {"pld": {"method": "prompt_lookup", "label": "PLD", "columns": columns(1.5, 1.1)}}
+    write_sweep(tmp_path / "sft", [rec])
+    write_sweep(tmp_path / "opd", [make_record(label="EAGLE-3", nodes=6, temperature=0.0, cols=columns(1.4, 0.8))])
+    out = _run(capsys, tmp_path / "sft", tmp_path / "opd", "--name", "SFT", "--name", "Draft-OPD", "--layout", "methods")
+    rows = [line.split(" | ")[0][2:] for line in out.splitlines()[2:]]
+    assert rows == ["SFT", "PLD", "Draft-OPD"]  # the baseline keeps its label
+    assert "1.40" in out.splitlines()[4] and "1.20" in out.splitlines()[2]
+    assert main([str(tmp_path / "sft"), str(tmp_path / "opd"), "--name", "SFT"]) == 2
+    assert "one per path" in capsys.readouterr().err

@@ -86,6 +86,29 @@ def test_a_long_context_is_planned_with_its_own_curve():
     assert n_long > n_short
 
 
+def _best_beside(probs, step, per_row, level_s, levels, companion_tokens, companion_rows):
+    best, best_rate = 0, -1.0
+    for n in range(len(probs) + 1):
+        tokens = 1 + companion_tokens + sum(probs[:n])
+        rate = tokens / ((levels + 1) * level_s + step + per_row * (n + companion_rows))
+        if rate > best_rate + 1e-12:
+            best, best_rate = n, rate
+    return best
+
+
+def test_a_confident_companion_leaves_fewer_nodes_worth_verifying():
+    """A lookup tree verified in the same pass raises the rate every learned node must beat."""
+    probs = [0.6, 0.4, 0.3, 0.2, 0.15, 0.1]
+    budget = TreeBudget(VerifyCost.linear(0.05, 0.01), level_seconds=0.002)
+    alone = budget.choose(torch.tensor(probs), 2)
+    budget.alongside(4.0, 6)
+    beside = budget.choose(torch.tensor(probs), 2)
+    assert alone == _best_beside(probs, 0.05, 0.01, 0.002, 2, 0.0, 0)
+    assert beside == _best_beside(probs, 0.05, 0.01, 0.002, 2, 4.0, 6)
+    assert beside < alone
+    assert budget.choose(torch.tensor(probs), 2) == alone  # the companion was for one round only
+
+
 def test_choose_spans_the_whole_range():
     probs = torch.tensor([0.9, 0.8, 0.5, 0.4])
     free = TreeBudget(VerifyCost.linear(0.05, 0.0), level_seconds=0.0)

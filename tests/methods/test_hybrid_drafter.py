@@ -94,3 +94,80 @@ def test_each_sized_component_learns_from_its_own_accepted_nodes():
     d = learned.budget.decay
     assert learned.budget._accepted == pytest.approx(d * 1.0 + (1 - d) * 0)  # none of its nodes were accepted
     assert lookup.budget._accepted == pytest.approx(d * 1.0 + (1 - d) * 2)
+
+
+class _Counting(Eagle3Drafter):
+    """The EAGLE-3 drafter, counting how often it is asked to propose."""
+
+    proposals = 0
+
+    def propose(self, state):
+        self.proposals += 1
+        return super().propose(state)
+
+
+@pytest.mark.parametrize("skip_at", [0.5, 1e9])
+def test_gated_hybrid_skips_the_learned_draft_when_the_lookup_is_confident(tiny_target, skip_at):
+    torch.manual_seed(0)
+    learned = _Counting(Eagle3Draft.from_target(tiny_target, draft_vocab_size=256), top_k=2, depth=3, total_tokens=4)
+    drafter = HybridDrafter(learned, SuffixDrafter(), skip_learned_at=skip_at)
+    # A prompt that repeats itself: the suffix trie soon matches long, confident continuations.
+    prompt = tiny_target.tokenizer.encode("one two three four one two three four one two three four one two")
+    cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, stop_on_eos=False)
+    out, stats = speculative_generate(tiny_target, prompt, drafter, cfg, trace=True)
+    assert out == autoregressive_generate(tiny_target, prompt, cfg)[0]
+    counts = stats.drafter_stats
+    assert counts["rounds"] == len(stats.trace) and counts["learned_rounds"] == learned.proposals
+    if skip_at > 1e6:  # never confident enough: the learned draft runs every round
+        assert learned.proposals == counts["rounds"]
+    else:
+        assert 0 <= learned.proposals < counts["rounds"]
+
+
+def test_gating_reads_the_lookup_trees_expected_tokens():
+    from draftlab.decoding.drafter import Drafter
+
+    class Fixed(Drafter):
+        def __init__(self, tree):
+            self.tree, self.calls = tree, 0
+
+        def propose(self, state):
+            self.calls += 1
+            return self.tree
+
+    sure = DraftTree.from_parents(torch.tensor([5, 3, 4]), torch.tensor([-1, 0, 1]), path_probs=torch.tensor([1.0, 0.9, 0.8]))
+    assert sure.expected_tokens == pytest.approx(1.7)
+    learned = Fixed(DraftTree.chain(5, [1, 2]))
+    drafter = HybridDrafter(learned, Fixed(sure), skip_learned_at=1.5)
+    assert drafter.propose(None) is sure and learned.calls == 0
+    drafter.skip_learned_at = 2.0  # 1.7 expected tokens no longer suffice: both trees, merged
+    assert drafter.propose(None).size == 5 and learned.calls == 1
+    with pytest.raises(ValueError, match="skip_learned_at"):
+        HybridDrafter(learned, Fixed(sure), skip_learned_at=0)
+
+
+def test_trees_carry_the_drafters_path_probabilities(tiny_target):
+    from draftlab.decoding.tree import build_dynamic_tree
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 16)
+
+    def expand(batch):
+        return torch.log_softmax(logits[batch.depth].expand(batch.node_ids.shape[0], -1), -1)
+
+    tree = build_dynamic_tree(0, expand, top_k=2, depth=3, total_tokens=5)
+    assert tree.path_probs[0] == 1.0
+    for i in range(1, tree.size):  # a child's path probability is its parent's times its own
+        parent = int(tree.parents[i])
+        own = torch.log_softmax(logits[int(tree.depth[parent])], -1)[int(tree.tokens[i])].exp()
+        assert tree.path_probs[i] == pytest.approx(float(tree.path_probs[parent] * own), rel=1e-5)
+    # The suffix drafter's tree carries its count ratios: a fully repeated pattern is certain.
+    suffix = SuffixDrafter()
+    from draftlab.decoding.drafter import DecodeState
+
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2]
+    state = DecodeState(target=None, cache=None, tokens=tokens, prompt_len=len(tokens), temperature=0.0)
+    suffix.reset(state)
+    proposed = suffix.propose(state)
+    assert proposed.tokens[1] == 3 and proposed.path_probs[1] == pytest.approx(1.0)
+    assert proposed.expected_tokens == pytest.approx(float(proposed.path_probs[1:].sum()))

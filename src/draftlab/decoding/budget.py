@@ -20,6 +20,11 @@ for at least one more ``t_level``; once that bound cannot beat the best ratio so
 remaining draft passes are skipped. ``V`` depends on the context length ``L`` (``decoding.cost``): the
 drafter sets ``budget.context`` each round, so a long prompt is planned with its own, dearer step.
 
+A composite drafter (``methods.hybrid``) verifies another proposal in the same pass: ``alongside(tokens,
+rows)`` tells the budget, for the coming round, the tokens that proposal is expected to bring and the
+rows it adds. They enter ``E`` and ``V`` of every size, so a confident companion leaves fewer nodes worth
+their rows (the marginal node must beat a higher average rate).
+
 Sizing only chooses which proposals get verified; the verifier and its acceptance rule are untouched, so
 greedy outputs stay equal to AR and sampling keeps the target distribution.
 """
@@ -56,6 +61,12 @@ class TreeBudget:
         self.predicted_last: float | None = None  # sum p_i of the last chosen tree
         self.sizes: list[int] = []  # chosen node counts, per round (for reports)
         self.context: int | None = None  # tokens in the sequence this round verifies after (set by the drafter)
+        self._companion = (0.0, 0)  # (expected tokens, rows) another proposal brings to this round's pass
+
+    def alongside(self, tokens: float, rows: int) -> None:
+        """Another proposal, verified in the same pass as the coming round's tree, is expected to yield
+        ``tokens`` accepted tokens and adds ``rows`` verify rows (cleared when the round is sized)."""
+        self._companion = (max(float(tokens), 0.0), max(int(rows), 0))
 
     # -- inputs ------------------------------------------------------------------------------------
 
@@ -100,7 +111,8 @@ class TreeBudget:
     # -- decisions ---------------------------------------------------------------------------------
 
     def _seconds(self, nodes: torch.Tensor, levels: int) -> torch.Tensor:
-        rows = self.rows_per_node * (nodes + 1) + self.extra_rows  # root + nodes (each with its own extra rows)
+        # root + nodes (each with its own extra rows), the method's extra rows and a companion proposal's
+        rows = self.rows_per_node * (nodes + 1) + self.extra_rows + self._companion[1]
         verify = torch.tensor([self.cost(int(r), self.context) for r in rows.tolist()], dtype=torch.float64)
         return (levels + 1) * self.level_seconds + verify
 
@@ -108,7 +120,7 @@ class TreeBudget:
         """Expected tokens, seconds and tokens/second for n = 0..len(probs) best nodes."""
         a = self.calibration
         gain = torch.cat([torch.zeros(1, dtype=torch.float64), (a * probs.double()).clamp(max=1.0).cumsum(0)])
-        tokens = 1.0 + gain  # [n+1]
+        tokens = 1.0 + self._companion[0] + gain  # [n+1]
         seconds = self._seconds(torch.arange(probs.shape[0] + 1), levels)
         return tokens, seconds, tokens / seconds
 
@@ -117,6 +129,7 @@ class TreeBudget:
         if self.cost is None:
             raise RuntimeError("TreeBudget has no verify cost: call bind(target) first")
         _, _, rate = self._rates(probs, levels)
+        self._companion = (0.0, 0)  # one round's
         n = int(torch.argmax(rate))  # first maximum: the smaller tree on ties
         if n == 0:
             # Nothing verified, nothing learnt: without this, a calibration that once fell low enough to pick

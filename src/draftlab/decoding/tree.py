@@ -62,6 +62,10 @@ class DraftTree:
     ``deterministic`` defaults to ``draft_probs is None``: passing draft probabilities means the
     proposals were sampled from them. Set it explicitly to ``True`` when the candidates were chosen
     deterministically even though draft probabilities are at hand (e.g. EAGLE's top-k trees).
+
+    ``path_probs`` (optional) is the drafter's own estimate, per node, that the target accepts the node's
+    whole path (EAGLE-2's cumulative draft probability, a suffix trie's count ratio; 1 at the root). The
+    verifier never reads it; composite drafters and reports do (``expected_tokens``).
     """
 
     tokens: torch.Tensor  # [N]
@@ -69,6 +73,7 @@ class DraftTree:
     depth: torch.Tensor  # [N]
     draft_probs: torch.Tensor | None = None  # [N, V]
     deterministic: bool | None = None
+    path_probs: torch.Tensor | None = None  # [N]
 
     def __post_init__(self) -> None:
         # Shape checks only: value checks (topological order) would force a device sync every round and
@@ -85,11 +90,18 @@ class DraftTree:
             raise ValueError(f"draft_probs must be [N={n}, V], got {tuple(self.draft_probs.shape)}")
         if not self.deterministic and self.draft_probs is None:
             raise ValueError("a sampled (deterministic=False) tree needs draft_probs")
+        if self.path_probs is not None and self.path_probs.shape != (n,):
+            raise ValueError(f"path_probs must be [N={n}], got {tuple(self.path_probs.shape)}")
 
     @property
     def size(self) -> int:
         """Number of nodes N, root included."""
         return int(self.tokens.shape[0])
+
+    @property
+    def expected_tokens(self) -> float | None:
+        """The drafter's expected number of accepted draft tokens, ``sum(path_probs[1:])`` (None: no estimate)."""
+        return None if self.path_probs is None else float(self.path_probs[1:].sum())
 
     @property
     def max_depth(self) -> int:
@@ -104,6 +116,7 @@ class DraftTree:
             depth=self.depth.to(device),
             draft_probs=None if self.draft_probs is None else self.draft_probs.to(device),
             deterministic=self.deterministic,
+            path_probs=None if self.path_probs is None else self.path_probs.to(device),
         )
 
     @classmethod
@@ -113,6 +126,7 @@ class DraftTree:
         parents: IntsLike,
         draft_probs: torch.Tensor | None = None,
         deterministic: bool | None = None,
+        path_probs: torch.Tensor | None = None,
     ) -> DraftTree:
         """Build a tree from node tokens (``tokens[0]`` is the root) and parent indices.
 
@@ -129,7 +143,7 @@ class DraftTree:
         parent_list = parents_t.tolist()
         _check_parents(parent_list)
         depth = torch.tensor(_depths_from_parents(parent_list), dtype=torch.long, device=parents_t.device)
-        return cls(tokens_t, parents_t, depth, draft_probs, deterministic)
+        return cls(tokens_t, parents_t, depth, draft_probs, deterministic, path_probs)
 
     @classmethod
     def chain(
@@ -415,4 +429,5 @@ def build_dynamic_tree(
     new_index[selected] = torch.arange(selected.shape[0])
     parents = new_index[cand_parents[selected].clamp(min=0)]  # [N]
     parents[0] = -1
-    return DraftTree(cand_tokens[selected], parents, cand_depth[selected], None, deterministic=True)
+    return DraftTree(cand_tokens[selected], parents, cand_depth[selected], None, deterministic=True,
+                     path_probs=cand_scores[selected].exp())

@@ -11,6 +11,17 @@ what keeps sampling exact: the deterministic-candidate rule is exact for any can
 the verifier's coins. Components see the merged tree's ``VerifyOutput`` in ``update``; the ones here read
 only what every tree shares (``kept``, ``accepted_aux``, ``state.tokens``). Components that add extra
 verify rows (``extra_rows``) are not supported.
+
+A learned drafter that sizes its tree (``tree: auto``) is told what the lookup tree brings to the same
+pass (``TreeBudget.alongside``: its expected tokens and rows), so it keeps only the nodes that still pay.
+
+Gating (``skip_learned_at``): the lookup proposes first, for next to nothing. When its tree already expects
+at least ``skip_learned_at`` accepted tokens (``DraftTree.expected_tokens``: the suffix trie's count
+ratios along each path), the learned draft's passes are skipped and only the lookup tree is verified:
+a long, confident match is likely to be accepted as it stands, and the learned passes and their extra
+verify rows would mostly pay for branches the walk never takes. The learned drafter still sees every
+round's ``update`` (its cache must follow the sequence), so a skipped round costs it one accept pass.
+Gating only chooses which deterministic candidates are verified, so exactness is untouched.
 """
 
 from __future__ import annotations
@@ -50,11 +61,20 @@ def union_tree(trees: list[DraftTree]) -> tuple[DraftTree, list[list[int]]]:
 
 
 class HybridDrafter(Drafter):
-    """Proposes the union of ``learned``'s and ``lookup``'s trees (see the module docstring)."""
+    """Proposes the union of ``learned``'s and ``lookup``'s trees (see the module docstring).
 
-    def __init__(self, learned: Drafter, lookup: Drafter):
+    ``skip_learned_at``: rounds whose lookup tree expects at least this many accepted tokens verify the lookup
+    tree alone (None: the learned draft runs every round)."""
+
+    def __init__(self, learned: Drafter, lookup: Drafter, skip_learned_at: float | None = None):
+        if skip_learned_at is not None and skip_learned_at <= 0:
+            raise ValueError(f"skip_learned_at must be > 0 expected tokens or None, got {skip_learned_at}")
         self.learned, self.lookup = learned, lookup
-        self._maps: list[list[int]] = []  # per component, the merged index of each of its last tree's nodes
+        self.skip_learned_at = skip_learned_at
+        # Per component (learned, lookup), the merged index of each node of its last tree; None: it proposed
+        # nothing this round.
+        self._maps: list[list[int] | None] = [None, None]
+        self._rounds = self._learned_rounds = 0
 
     def aux_layers(self, target):
         return self.learned.aux_layers(target)
@@ -68,9 +88,21 @@ class HybridDrafter(Drafter):
     def reset(self, state: DecodeState) -> None:
         self.learned.reset(state)
         self.lookup.reset(state)
+        self._rounds = self._learned_rounds = 0
 
     def propose(self, state: DecodeState) -> DraftTree:
-        merged, self._maps = union_tree([self.learned.propose(state), self.lookup.propose(state)])
+        self._rounds += 1
+        lookup = self.lookup.propose(state)
+        confident = lookup.expected_tokens or 0.0
+        if self.skip_learned_at is not None and confident >= self.skip_learned_at:
+            self._maps = [None, list(range(lookup.size))]
+            return lookup
+        self._learned_rounds += 1
+        budget = getattr(self.learned, "budget", None)
+        if budget is not None:  # a sized learned tree only adds nodes that pay beside the lookup's
+            budget.alongside(confident, lookup.size - 1)
+        merged, (learned_map, lookup_map) = union_tree([self.learned.propose(state), lookup])
+        self._maps = [learned_map, lookup_map]
         return merged
 
     def update(self, state: DecodeState, out: VerifyOutput) -> None:
@@ -79,13 +111,18 @@ class HybridDrafter(Drafter):
         path = set(out.result.path[1:])
         for component, where in zip((self.learned, self.lookup), self._maps):
             budget = getattr(component, "budget", None)
-            if budget is not None:
+            if budget is not None and where is not None:
                 budget.observe(len(path.intersection(where[1:])))
         self.learned.update(state, out)
         self.lookup.update(state, out)
 
+    def sequence_stats(self) -> dict[str, float]:
+        """Rounds decoded and rounds in which the learned draft ran (fewer with ``skip_learned_at``)."""
+        return {"rounds": self._rounds, "learned_rounds": self._learned_rounds}
 
-def learned_plus_lookup(draft, *, learned_target: str, lookup: Drafter, **learned_kwargs) -> HybridDrafter:
+
+def learned_plus_lookup(draft, *, learned_target: str, lookup: Drafter, skip_learned_at: float | None = None,
+                        **learned_kwargs) -> HybridDrafter:
     """The drafter factory of a hybrid method config: ``learned_target(draft, **learned_kwargs)`` (the
     learned method's own drafter settings, inherited from its config) merged with ``lookup``."""
-    return HybridDrafter(get_class(learned_target)(draft, **learned_kwargs), lookup)
+    return HybridDrafter(get_class(learned_target)(draft, **learned_kwargs), lookup, skip_learned_at)

@@ -88,10 +88,11 @@ class SuffixDrafter(Drafter):
         if self.budget is not None and tokens:  # a prefix of the best-first order is still a tree
             self.budget.context = len(state.tokens)
             n = self.budget.choose(torch.tensor(scores), 0)
-            tokens, parents = tokens[:n], parents[:n]
+            tokens, parents, scores = tokens[:n], parents[:n], scores[:n]
         if not tokens:
             return DraftTree.chain(state.root, [])
-        return DraftTree.from_parents(torch.tensor([state.root, *tokens]), torch.tensor([-1, *parents]))
+        return DraftTree.from_parents(torch.tensor([state.root, *tokens]), torch.tensor([-1, *parents]),
+                                      path_probs=torch.tensor([1.0, *scores]))
 
     def update(self, state: DecodeState, out: VerifyOutput) -> None:
         if self.budget is not None:
