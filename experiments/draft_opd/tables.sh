@@ -21,11 +21,9 @@ draftlab-table $D/eval_sft.json $D/eval_sft_more.json $D/eval_opd.json $D/gsm8k_
     $D/gsm8k_opd.json --name "DFlash SFT (start)" --name "DFlash SFT continued" --name "DFlash Draft-OPD" \
     --name "DFlash SFT (start), GSM8K test" --name "DFlash SFT continued, GSM8K test" --name "DFlash Draft-OPD, GSM8K test" \
     --layout table4 --cell joint --out $HERE/table_dflash.md
-# From the recipe's supervised draft (run.sh step 8), where measured.
+# From the recipe's supervised draft (run.sh step 8), where measured: Spec-Bench, one question per category.
 C=$HERE/records/recipe
 if [ -f "$C/eval_recipe.json" ]; then
-  draftlab-table $C/eval_recipe.json $C/eval_recipe_sft_more.json $C/eval_recipe_opd.json $C/gsm8k_recipe.json \
-      $C/gsm8k_recipe_sft_more.json $C/gsm8k_recipe_opd.json --name "recipe SFT (start)" --name "SFT continued" \
-      --name "Draft-OPD" --name "recipe SFT (start), GSM8K test" --name "SFT continued, GSM8K test" \
-      --name "Draft-OPD, GSM8K test" --layout table4 --cell joint --out $HERE/table_recipe.md
+  draftlab-table $C/eval_recipe.json --name "recipe SFT (start)" $C/eval_recipe_sft_more.json --name "SFT continued, 12 min" \
+      $C/eval_recipe_opd.json --name "Draft-OPD, 12 min" --layout table4 --cell joint --out $HERE/table_recipe.md
 fi
