@@ -130,3 +130,30 @@ def test_compose_and_instantiate(group, name, tmp_path, monkeypatch):
     elif group in {"logger", "callbacks"}:
         objs = {k: instantiate(v) for k, v in cfg[group].items()}
         assert all(o is not None for o in objs.values())
+
+
+def test_axes_on_training_settings_come_from_the_trained_draft(tmp_path):
+    # A block-4 DFlash draft evaluated under a block-8 config drafts blocks of 4: the record must say 4.
+    from draftlab.methods.registry import MethodSpec, trained_method_config
+
+    dflash = MethodSpec.from_name("dflash", ["method.draft.block_size=8"])
+    assert dflash.axes()["block_size"] == 8
+    plain = {"name": "dflash", "draft": {"block_size": 4, "num_layers": 1}}
+    assert dflash.axes(plain)["block_size"] == 4 and dflash.axes(plain)["draft_layers"] == 1
+    assert dflash.axes(plain)["tree"] == dflash.axes()["tree"]  # decoding settings stay the config's
+    # Trained by a wrapper (Draft-OPD): the draft's settings are its student's, the wrapper's its own.
+    wrapped = {"name": "draft_opd", "student": plain, "module": {"refresh_every": 3}}
+    assert dflash.axes(wrapped)["block_size"] == 4
+    opd = MethodSpec.from_name("draft_opd", ["method@method.student=dflash"])
+    axes = opd.axes(wrapped)
+    assert axes["block_size"] == 4 and axes["refresh_every"] == 3 and axes["student"] == "dflash"
+    assert opd.axes(plain)["refresh_every"] == opd.axes()["refresh_every"]  # not trained by a wrapper
+    # A setting the artifact's config lacks (an older artifact) keeps the config's value.
+    assert dflash.axes({"name": "dflash"})["block_size"] == 8
+    # The artifact's config sits beside its draft/ directory; a draft from elsewhere has none.
+    assert trained_method_config(tmp_path / "draft") is None
+    (tmp_path / "train_config.json").write_text('{"method": {"name": "dflash"}}')
+    assert trained_method_config(tmp_path / "draft") == {"name": "dflash"}
+    (tmp_path / "train_config.json").write_text('{"seed": 0}')
+    with pytest.raises(ValueError, match="train_config.json.*'method'"):
+        trained_method_config(tmp_path / "draft")

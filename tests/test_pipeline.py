@@ -131,7 +131,10 @@ def test_a_trained_baseline_drafts_from_the_runs_draft(tmp_path, monkeypatch, sh
 
     _env(monkeypatch, tmp_path, shared_data)
     torch.manual_seed(0)
-    draft_dir = save_native(Eagle3Draft.from_target(tiny_target, draft_vocab_size=512), tmp_path / "draft")
+    draft_dir = save_native(Eagle3Draft.from_target(tiny_target, draft_vocab_size=512), tmp_path / "art" / "draft")
+    # The artifact's training config (as draftlab-train writes it beside draft/): trained with TTT-3.
+    (tmp_path / "art" / "train_config.json").write_text(json.dumps({"method": {"name": "eagle3",
+                                                                                "module": {"ttt_length": 3}}}))
     record = run_pipeline(_cfg(tmp_path, "method=eagle3", f"draft_path={draft_dir}",
                                "+method@eval.baselines.hybrid=eagle3_suffix", "+method@eval.baselines.n2=eagle3",
                                "eval.baselines.n2.drafter.total_tokens=2"), stage="eval")
@@ -140,6 +143,8 @@ def test_a_trained_baseline_drafts_from_the_runs_draft(tmp_path, monkeypatch, sh
     assert len(load_answers(tmp_path / "answers" / "hybrid.jsonl")) == 2
     # The same method at another tree size: its own axes in the record, its own row in the comparison.
     assert n2["axes"]["nodes"] == 2 and record["eval"]["axes"]["nodes"] != 2 and n2["categories"]
+    # A training setting is the draft's, for the method and every baseline drafting from it (the config says 7).
+    assert record["eval"]["axes"]["ttt_length"] == hybrid["axes"]["ttt_length"] == n2["axes"]["ttt_length"] == 3
     text = (tmp_path / "eval_comparison.txt").read_text()
     assert "EAGLE-3 [eagle3]" in text and "EAGLE-3 [n2]" in text
     # A trained method with another artifact format cannot read this draft: refused before any decoding.

@@ -121,33 +121,45 @@ fi
 # 8. From the recipe's supervised EAGLE-3 draft (RECIPE=<its run dir>, made by experiments/smollm2_eagle3:
 #    `draftlab-train experiment=smollm2_eagle3 eval.enabled=false hydra.run.dir=runs/recipe/train`): Draft-OPD
 #    (experiment=draft_opd_smollm2 as configured: 128-token rollouts with a fixed 8-node tree) and continued SFT
-#    on the recipe's own data (its features are cached), RECIPE_MIN minutes each (default 12), side by side on
-#    one core each. Both at the same constant learning rate (1e-4, no warm-up: a schedule sized for a whole
-#    epoch would still be warming up when the time runs out), so only the data and objective differ.
-#    Then the start and both drafts decode Spec-Bench (one per category) and GSM8K test (10) with the rollouts'
-#    fixed tree (8 nodes, depth 4, top-k 4): a fixed tree makes τ a property of the draft alone.
+#    on the recipe's own data (its features are cached), RECIPE_MIN minutes each (default 45, the config's), side
+#    by side on one core each, with a checkpoint every RECIPE_EVERY minutes (15) for the time curve. Both at the
+#    same constant learning rate (1e-4, no warm-up: a schedule sized for a whole epoch would still be warming up
+#    when the time runs out), so only the data and objective differ.
+#    Then the start and both drafts decode Spec-Bench (RECIPE_PER_CATEGORY questions per category, default 3)
+#    and GSM8K test (10) with the rollouts' fixed tree (8 nodes, depth 4, top-k 4): a fixed tree makes τ a
+#    property of the draft alone. Two queues of one core each; every job skips when its record exists.
 if [ -n "${RECIPE:-}" ]; then
   RBASE=$(record "$RECIPE")
-  RBUDGET=$(printf "00:00:%02d:00" "${RECIPE_MIN:-12}")
+  RMIN=${RECIPE_MIN:-45}
+  RBUDGET=$(printf "00:00:%02d:00" "$RMIN")
+  RPER=${RECIPE_PER_CATEGORY:-3}
   LR=(method.module.optimizer.lr=1e-4 method.module.schedule.warmup_ratio=0 method.module.schedule.min_ratio=1.0)
   RTREE=(method.drafter.tree=fixed method.drafter.total_tokens=8 method.drafter.depth=4 method.drafter.top_k=4)
-  if [ ! -f "$OUT/recipe_opd/record.json" ] || [ ! -f "$OUT/recipe_sft_more/record.json" ]; then
+  RCKPT=(callbacks.model_checkpoint.save_top_k=-1 +callbacks.model_checkpoint.train_time_interval._target_=datetime.timedelta
+         +callbacks.model_checkpoint.train_time_interval.minutes="${RECIPE_EVERY:-15}")
+  R="$OUT/recipe_${RMIN}min"
+  if [ ! -f "$R/opd/record.json" ] || [ ! -f "$R/sft_more/record.json" ]; then
     OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_smollm2 init_draft="$RBASE" method.data.val_fraction=0 \
-        "${LR[@]}" trainer.max_time="$RBUDGET" "${FP32[@]}" eval.enabled=false logger=csv \
-        hydra.run.dir="$OUT/recipe_opd" & P1=$!
+        "${LR[@]}" trainer.max_time="$RBUDGET" "${FP32[@]}" "${RCKPT[@]}" eval.enabled=false logger=csv \
+        hydra.run.dir="$R/opd" & P1=$!
     OMP_NUM_THREADS=1 draftlab-train experiment=smollm2_eagle3 method=eagle3_continue init_draft="$RBASE" \
         trainer.max_epochs=1000 +trainer.max_time="$RBUDGET" method.data.val_fraction=0 "${LR[@]}" "${FP32[@]}" \
-        eval.enabled=false logger=csv hydra.run.dir="$OUT/recipe_sft_more" & P2=$!
+        "${RCKPT[@]}" eval.enabled=false logger=csv hydra.run.dir="$R/sft_more" & P2=$!
     wait "$P1"; wait "$P2"
   fi
-  for arm in recipe recipe_opd recipe_sft_more; do
-    draft=$([ "$arm" = recipe ] && echo "$RBASE" || record "$OUT/$arm")
-    [ -f "$OUT/eval_$arm/record.json" ] || draftlab-eval experiment=smollm2_eagle3 method=eagle3 draft_path="$draft" \
-        bench.per_category=1 "${RTREE[@]}" eval.baselines.pld=null eval.baselines.suffix=null \
-        eval.baselines.hybrid=null eval.baselines.hybrid_gated=null logger=csv hydra.run.dir="$OUT/eval_$arm"
-    [ -f "$OUT/gsm8k_$arm/record.json" ] || draftlab-eval experiment=smollm2_eagle3 method=eagle3 draft_path="$draft" \
-        'bench.categories=[math_reasoning]' bench.per_category=10 "${RTREE[@]}" eval.baselines.pld=null \
-        eval.baselines.suffix=null eval.baselines.hybrid=null eval.baselines.hybrid_gated=null logger=csv \
-        hydra.run.dir="$OUT/gsm8k_$arm"
-  done
+  NOBASE=(eval.baselines.pld=null eval.baselines.suffix=null eval.baselines.hybrid=null eval.baselines.hybrid_gated=null)
+  draft_of() { if [ "$1" = start ]; then echo "$RBASE"; else record "$R/$1"; fi; }
+  spec() { [ -f "$R/eval_$1/record.json" ] || OMP_NUM_THREADS=1 draftlab-eval experiment=smollm2_eagle3 method=eagle3 \
+      draft_path="$(draft_of "$1")" bench.per_category="$RPER" "${RTREE[@]}" "${NOBASE[@]}" logger=csv \
+      hydra.run.dir="$R/eval_$1"; }
+  gsm() { [ -f "$R/gsm8k_$1/record.json" ] || OMP_NUM_THREADS=1 draftlab-eval experiment=smollm2_eagle3 method=eagle3 \
+      draft_path="$(draft_of "$1")" 'bench.categories=[math_reasoning]' bench.per_category=10 "${RTREE[@]}" \
+      "${NOBASE[@]}" logger=csv hydra.run.dir="$R/gsm8k_$1"; }
+  curve() { OMP_NUM_THREADS=1 python experiments/draft_opd/curve.py --start "$RBASE" "$R/sft_more" "$R/opd" \
+      --name "SFT continued" --name "Draft-OPD" --out experiments/draft_opd/curve_recipe \
+      --override method.drafter.total_tokens=8 --override method.drafter.depth=4 --override method.drafter.top_k=4 \
+      --override eval.max_new_tokens=128; }
+  (spec opd && spec start && gsm opd && gsm start) & P1=$!
+  (spec sft_more && curve && gsm sft_more) & P2=$!
+  wait "$P1"; wait "$P2"
 fi

@@ -111,16 +111,24 @@ class MethodSpec:
             return self.cfg.get(key, default)
         return self.cfg.student.get(key, default)
 
-    def axes(self) -> dict[str, Any]:
-        """``{axis: value}`` for the comparison axes this method declares (``axes: {nodes: drafter.total_tokens}``)."""
+    def axes(self, trained: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``{axis: value}`` for the comparison axes this method declares (``axes: {nodes: drafter.total_tokens}``).
+
+        ``trained``: the method config the evaluated draft was trained with (:func:`trained_method_config`).
+        An axis on a training setting (``draft.block_size``, ``module.ttt_length``: anything outside the
+        blocks that leave the weights alone) then reports the draft's value, not this config's: a block-4
+        DFlash draft evaluated under a block-8 config drafts blocks of 4."""
         out = {}
         # A student's axes first (paths inside the student's config), then the method's own on top.
-        owners = ([self.cfg.student] if "student" in self.cfg else []) + [self.cfg]
-        for owner in owners:
+        owners = ([(self.cfg.student, True)] if "student" in self.cfg else []) + [(self.cfg, False)]
+        for owner, is_student in owners:
+            source = _trained_part(trained, is_student=is_student, wraps_student="student" in self.cfg)
             for axis, path in (owner.get("axes") or {}).items():
                 value = OmegaConf.select(owner, str(path), throw_on_missing=False, default=_ABSENT)
                 if value is _ABSENT:
                     raise ValueError(f"method '{self.name}': axis '{axis}' points at '{path}', which the config lacks")
+                if source is not None and str(path).split(".")[0] not in _NOT_IN_TRAIN_KEY:
+                    value = _select(source, str(path), default=value)
                 out[str(axis)] = value  # null is a setting too (a default the method resolves itself)
         return out
 
@@ -165,6 +173,43 @@ class MethodSpec:
     def build_drafter(self, draft=None):
         factory = instantiate(self._block("drafter"))
         return factory(draft) if self.trainable else factory
+
+
+def trained_method_config(draft_dir: Path | str | None) -> dict[str, Any] | None:
+    """The method config a trained draft artifact was made with (``<artifact>/train_config.json``, beside its
+    ``draft/`` directory), or None for a draft from elsewhere (no such file)."""
+    if draft_dir is None:
+        return None
+    path = Path(draft_dir).parent / "train_config.json"
+    if not path.exists():
+        return None
+    import json
+
+    try:
+        return json.loads(path.read_text())["method"]
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"{path}: not a training config with a 'method' block ({exc})") from exc
+
+
+def _trained_part(trained: dict[str, Any] | None, *, is_student: bool, wraps_student: bool) -> dict | None:
+    """The part of ``trained`` (an artifact's method config) that holds the settings of one axes owner: the
+    draft's own config (a student's, when a wrapper such as Draft-OPD trained it) for the evaluated method or
+    its student; the wrapper's config for a wrapper's own axes, if the draft was trained by one."""
+    if trained is None:
+        return None
+    draft_own = trained.get("student") or trained
+    if is_student or not wraps_student:
+        return draft_own
+    return trained if "student" in trained else None
+
+
+def _select(tree: dict[str, Any], path: str, default: Any) -> Any:
+    node: Any = tree
+    for key in path.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return default
+        node = node[key]
+    return node
 
 
 def compose_train_config(overrides: list[str], config_name: str = "train") -> DictConfig:

@@ -1,7 +1,9 @@
 """The evaluation stage: a drafter against AR on a benchmark, in one process, into an eval record.
 
 The record stores the resolved method config (drafter included) and the method's declared ``axes``
-(``conf/method/<m>.yaml``), so tables compare runs by the settings each method actually has.
+(``conf/method/<m>.yaml``), so tables compare runs by the settings each method actually has: an axis on a
+training setting (a draft's block size, its TTT length) is read from the evaluated artifact's training
+config, since a draft evaluated under another config keeps what it was trained with.
 
 ``eval.baselines`` (name -> a method config, composed from ``conf/method`` by the defaults list, e.g.
 ``- /method@eval.baselines.<name>: <method>``) adds drafters that answer the same questions in the same
@@ -29,7 +31,7 @@ from draftlab import tracking
 from draftlab.decoding.engine import GenerationConfig
 from draftlab.eval.metrics import TIMINGS
 from draftlab.eval.scoring import bench_scores, format_scores
-from draftlab.methods.registry import MethodSpec
+from draftlab.methods.registry import MethodSpec, trained_method_config
 from draftlab.utils.atomic import atomic_write_text
 from draftlab.utils.errors import ConfigError
 
@@ -48,10 +50,11 @@ def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
     return gen
 
 
-def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None = None, draft=None
-             ) -> tuple[dict[str, Any], dict[str, float]]:
+def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None = None, draft=None,
+             draft_dir: Path | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Run ``cfg.bench`` with ``drafter`` and the AR baseline; returns (eval record, flat metrics).
-    ``draft``: the run's trained draft (None for a training-free method), for trainable baselines."""
+    ``draft``: the run's trained draft (None for a training-free method), for trainable baselines;
+    ``draft_dir``: its artifact, whose training config gives the axes on training settings."""
     from draftlab.eval.runner import format_comparison, format_table, run_benchmark
 
     spec = MethodSpec(cfg.method)
@@ -65,6 +68,7 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
                           field=f"eval.baselines.{AR_SCORE_NAME}")
     labels = {n: b.label for n, b in bspecs.items()}
     labels[spec.name] = spec.label
+    trained = trained_method_config(draft_dir)
     res = run_benchmark(target, questions, drafter, gen, run_dir, bench=bench.name, method=spec.name,
                         warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"), others=others,
                         timing=timing)
@@ -79,13 +83,13 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
         atomic_write_text(run_dir / "eval_comparison.txt", comparison + "\n")
         for name, r in res.others.items():
             metrics.update(r.flat_metrics(prefix=f"baselines/{name}"))
-            baselines[name] = {"method": r.method, "label": labels[name], "axes": bspecs[name].axes(),
+            baselines[name] = {"method": r.method, "label": labels[name], "axes": bspecs[name].axes(trained if bspecs[name].trainable else None),
                                "columns": dict(r.metrics["columns"]) | {"AVG": r.metrics["AVG"]},
                                "categories": r.metrics["categories"],
                                "accept_lengths": {str(k): v for k, v in r.accept_histogram.items()},
                                "mismatches_vs_ar": r.mismatches_vs_ar, "answer_files": r.answer_files}
     record = {"bench": bench.name, "method": spec.name, "label": spec.label, "temperature": gen.temperature,
-              "axes": spec.axes(), "method_config": {k: v for k, v in spec.resolved().items() if k != "axes"},
+              "axes": spec.axes(trained), "method_config": {k: v for k, v in spec.resolved().items() if k != "axes"},
               "max_new_tokens": gen.max_new_tokens,
               "columns": dict(res.metrics["columns"]) | {"AVG": res.metrics["AVG"]},
               "categories": res.metrics["categories"],

@@ -41,6 +41,7 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
         artifacts: dict[str, Any] = {"draft": None, "data": None}
         metrics: dict[str, float] = {}
         train_info = None
+        draft_dir = None  # the trained artifact (a training-free method has none)
         if spec.trainable:
             if cfg.get("draft_path"):
                 draft_dir = Path(str(cfg.draft_path)).expanduser()
@@ -68,7 +69,8 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
 
         eval_record = None
         if cfg.eval.enabled:
-            eval_record, eval_metrics = evaluate(cfg, target, drafter, run_dir, loggers, draft=draft)
+            eval_record, eval_metrics = evaluate(cfg, target, drafter, run_dir, loggers, draft=draft,
+                                                   draft_dir=draft_dir)
             metrics.update(eval_metrics)
         record = tracking.build_record(cfg, kind=stage, identity=identity, metrics=metrics, artifacts=artifacts,
                                        eval_result=eval_record, train=train_info, ctx=ctx, git=git)
