@@ -11,17 +11,17 @@ import torch
 
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
 from draftlab.decoding.tree import DraftTree
-from draftlab.methods.draft_opd.anchors import chain_nodes, trace_anchors
-from draftlab.methods.draft_opd.objective import Objective, ReplayBatch
-from draftlab.methods.draft_opd.rollout import prompt_of, rollout
 from draftlab.methods.confu.drafter import ConFuDrafter
 from draftlab.methods.confu.replay import ConFuReplay
 from draftlab.methods.dflash.drafter import DFlashDrafter
 from draftlab.methods.dflash.replay import DFlashReplay
+from draftlab.methods.draft_opd.anchors import chain_nodes, trace_anchors
+from draftlab.methods.draft_opd.objective import Objective, ReplayBatch
+from draftlab.methods.draft_opd.rollout import prompt_of, rollout
 from draftlab.methods.eagle3.drafter import Eagle3Drafter
 from draftlab.methods.eagle3.replay import Eagle3Replay
-from tests.methods.corpus import TRAIN_PROMPTS
 from tests.decoding.test_engine_stub import CYCLE, FixedDrafter
+from tests.methods.corpus import TRAIN_PROMPTS
 from tests.stubs import TableTarget
 
 # ---- anchors from a hand-worked tree round --------------------------------------------------------------

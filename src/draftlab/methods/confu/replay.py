@@ -63,7 +63,7 @@ class ConFuReplay(Eagle3Replay):
                 ) -> tuple[torch.Tensor, FutureTTTAttention]:
         """Every round's future token (module docstring) and the attention that shows each row its own."""
         aux = features.aux.to(rows.device)  # [1, T, 3*d_t]
-        M, T = rows.shape[0], aux.shape[1]
+        T = aux.shape[1]
         lags = torch.cat([rows[:1].clamp(max=1), rows[1:] - rows[:-1]])  # [M] back to the previous anchor
         con_aux = contemplate(target, features.cache, draft.soft_prompts, draft.contemplate_embedding(aux[:, rows - lags]),
                               rows[None], aux_layer_ids=draft.tapped_layers(target))  # [1, M, 3*d_t]
