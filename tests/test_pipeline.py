@@ -391,3 +391,26 @@ def test_draft_opd_continues_a_trained_draft_and_resumes_mid_phase(tmp_path, mon
     assert ckpt["draft_opd"]["buffer"]  # the phase's rollouts travel with the checkpoint
     opd()
     assert _files(draft, "*") == want
+
+
+def test_without_validation_the_artifact_is_the_state_training_ended_in(tmp_path, monkeypatch, shared_data,
+                                                                         tiny_target):
+    """No held-out split, so no "best": the saved draft is the final state, not the newest kept checkpoint (kept
+    here after epoch 2 of 3, as a time-interval checkpoint falls before a max_time stop)."""
+    from draftlab.methods.registry import MethodSpec
+    from draftlab.stages.pipeline import run_pipeline
+
+    _env(monkeypatch, tmp_path, shared_data)
+    overrides = ["method=eagle3", "method.data.val_fraction=0", "trainer.max_epochs=3", "eval.enabled=false",
+                 "callbacks.model_checkpoint.save_top_k=-1", "+callbacks.model_checkpoint.every_n_epochs=2"]
+    cfg = _compose([*BASE, f"paths.artifacts={tmp_path / 'artifacts'}", *overrides], tmp_path, "train")
+    record = run_pipeline(cfg, stage="train")
+    root = Path(record["artifacts"]["draft"]).parent
+    final = torch.load(root / "checkpoints" / "resume.ckpt", map_location="cpu", weights_only=False)
+    kept = sorted((root / "checkpoints").glob("step*.ckpt"))
+    assert kept and all(int(p.stem.removeprefix("step")) < final["global_step"] for p in kept)
+    assert record["train"]["best"]["step"] == final["global_step"]
+    draft = MethodSpec(cfg.method).load(Path(record["artifacts"]["draft"]), tiny_target)
+    assert torch.equal(draft.fc.weight, final["state_dict"]["draft.fc.weight"])
+    earlier = torch.load(kept[-1], map_location="cpu", weights_only=False)["state_dict"]["draft.fc.weight"]
+    assert not torch.equal(draft.fc.weight, earlier)

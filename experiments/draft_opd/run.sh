@@ -2,6 +2,8 @@
 # Draft-OPD vs continued SFT at equal training time, from the quickstart's supervised EAGLE-3 draft, on
 # SmolLM2-135M-Instruct (2 CPU cores, ~45 min). Every step is content-addressed: re-running resumes.
 #   experiments/draft_opd/run.sh runs/draft_opd [minutes per arm, default 10]
+# With RECIPE=<recipe run dir>, step 8 also runs from the recipe's draft (45-minute arms, then about an hour of
+# evaluation on 2 cores).
 set -euo pipefail
 OUT=${1:-runs/draft_opd}
 MIN=${2:-10}

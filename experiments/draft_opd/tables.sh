@@ -27,3 +27,12 @@ if [ -f "$C/eval_recipe.json" ]; then
   draftlab-table $C/eval_recipe.json --name "recipe SFT (start)" $C/eval_recipe_sft_more.json --name "SFT continued, 12 min" \
       $C/eval_recipe_opd.json --name "Draft-OPD, 12 min" --layout table4 --cell joint --out $HERE/table_recipe.md
 fi
+# From the recipe's supervised draft, 45 minutes per arm (run.sh step 8): Spec-Bench (3 per category), GSM8K test (10).
+L=$HERE/records/recipe_45min
+if [ -f "$L/eval_start.json" ]; then
+  for set in eval:specbench gsm8k:gsm8k; do
+    p=${set%%:*}
+    draftlab-table $L/${p}_start.json --name "recipe SFT (start)" $L/${p}_sft_more.json --name "SFT continued, 45 min" \
+        $L/${p}_opd.json --name "Draft-OPD, 45 min" --layout table4 --cell joint --out "$HERE/table_recipe_45min_${set##*:}.md"
+  done
+fi

@@ -182,8 +182,8 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
     dm = spec.build_datamodule(data.samples, features=features, pad_token_id=target.tokenizer.pad_token_id or 0,
                                seed=int(cfg.seed))
     module = spec.build_module(draft, target)
-    callbacks, history = _callbacks(cfg, root, spec.monitor,
-                                    has_val=float(spec.block("data").get("val_fraction") or 0) > 0)
+    has_val = float(spec.block("data").get("val_fraction") or 0) > 0
+    callbacks, history = _callbacks(cfg, root, spec.monitor, has_val=has_val)
     precision = resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator"))
     if precision != cfg.trainer.get("precision"):
         log.info("trainer.precision=auto: %s on this machine", precision)
@@ -201,7 +201,13 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
         return TrainResult(key, root, draft_dir, reused=False)
 
     best = {}
-    best_path = next((cb.best_model_path for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.best_model_path), "")
+    # With a held-out metric the artifact is the best checkpoint by it. Without one there is no "best": the
+    # artifact is the state training ended in (the module as fit left it). The newest checkpoint is not that
+    # state when checkpoints are kept by time (train_time_interval), which also stops the epoch-end save.
+    best_path = next((cb.best_model_path for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.best_model_path),
+                     "") if has_val else ""
+    if not has_val:
+        best = {"checkpoint": None, "step": int(trainer.global_step)}
     if best_path:
         state = torch.load(best_path, map_location="cpu", weights_only=False)
         module.on_load_checkpoint(state)
