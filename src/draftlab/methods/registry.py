@@ -128,7 +128,7 @@ class MethodSpec:
                 if value is _ABSENT:
                     raise ValueError(f"method '{self.name}': axis '{axis}' points at '{path}', which the config lacks")
                 if source is not None and str(path).split(".")[0] not in _NOT_IN_TRAIN_KEY:
-                    value = _select(source, str(path), default=value)
+                    value = OmegaConf.select(OmegaConf.create(source), str(path), default=value)
                 out[str(axis)] = value  # null is a setting too (a default the method resolves itself)
         return out
 
@@ -201,15 +201,6 @@ def _trained_part(trained: dict[str, Any] | None, *, is_student: bool, wraps_stu
     if is_student or not wraps_student:
         return draft_own
     return trained if "student" in trained else None
-
-
-def _select(tree: dict[str, Any], path: str, default: Any) -> Any:
-    node: Any = tree
-    for key in path.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return default
-        node = node[key]
-    return node
 
 
 def compose_train_config(overrides: list[str], config_name: str = "train") -> DictConfig:
