@@ -12,8 +12,24 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The suite runs on parallel workers (pytest-xdist, ``-n auto`` in pyproject.toml). Each worker gets its share
+# of the cores, and so do the processes it starts (CLI runs, kill-and-resume jobs): oversubscribed CPU
+# threads slow every worker down more than the parallelism gains.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+    torch.set_num_threads(THREADS)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+@pytest.hookimpl(optionalhook=True)  # only known when pytest-xdist is loaded
+def pytest_xdist_auto_num_workers(config):
+    # One worker per core, at most four: each loads its own copy of the embedded target, and the suite's
+    # longest tests (one model each) leave little for more workers to share.
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,5 +60,5 @@ def tiny_target():
 def smollm2():
     from draftlab.targets import load_target
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(THREADS)
     return load_target("asset:smollm2-135m-instruct")

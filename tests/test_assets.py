@@ -51,6 +51,38 @@ def test_fetch_extracts_once_and_caches(local_index, monkeypatch):
     assert fetch("fake", registry=reg) == path
 
 
+def _convert_once_logged(path: Path, out_dir: Path) -> Path:
+    # Logs each conversion outside the asset directory (which a racing fetch would wipe).
+    with open(out_dir.parent.parent / "conversions.log", "a") as log:
+        log.write(f"{out_dir.name}\n")
+    return path
+
+
+def _fetch_in_child(reg, queue):
+    queue.put(str(fetch("fake", registry=reg)))
+
+
+def test_concurrent_fetches_download_and_convert_once(local_index):
+    import multiprocessing
+
+    wheel = _make_wheel(local_index, '{"a": 1}')
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    reg = {"fake": Asset("fake", "draftlab-fake-asset", "0.0.1", sha, "draftlab_fake_asset/data/file.json",
+                         "test asset", convert=_convert_once_logged)}
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_fetch_in_child, args=(reg, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    paths = {queue.get(timeout=5) for _ in procs}
+    assert len(paths) == 1 and json.loads(Path(paths.pop()).read_text()) == {"a": 1}
+    cache = assets.cache_root()
+    assert (cache / "conversions.log").read_text().splitlines() == ["fake"]
+
+
 def test_checksum_mismatch_names_the_asset(local_index):
     _make_wheel(local_index, '{"a": 1}')
     with pytest.raises(AssetError, match=r"asset 'fake': checksum mismatch"):

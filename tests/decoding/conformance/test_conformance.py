@@ -23,7 +23,15 @@ from draftlab.decoding.cost import VerifyCost
 from draftlab.decoding.drafter import Drafter
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
 from tests.decoding.conformance.checks import check_greedy_equals_ar, check_sampling_temperatures
-from tests.decoding.conformance.methods import METHODS, first_losses, quick_train, sequences, spec, vocab_for
+from tests.decoding.conformance.methods import (
+    METHODS,
+    first_losses,
+    per_method,
+    quick_train,
+    sequences,
+    spec,
+    vocab_for,
+)
 from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT
 
 _trained: dict[str, object] = {}
@@ -62,7 +70,7 @@ def _vocab(s, target):
     return vocab_for(s, target, sequences(target))
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", per_method(METHODS))
 def test_greedy_equals_ar_tiny(tiny_target, make_drafter, name):
     accepted = check_greedy_equals_ar(tiny_target, make_drafter(name), [TRAIN_PROMPTS[1], UNSEEN_PROMPT], 20)
     if spec(name).trainable:
@@ -71,13 +79,13 @@ def test_greedy_equals_ar_tiny(tiny_target, make_drafter, name):
         assert accepted > 0, "no draft token was ever accepted: the check proves little"
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", per_method(METHODS))
 def test_greedy_equals_ar_with_eos(tiny_target, make_drafter, name):
     # EOS can cut a round mid-path: the drafter must absorb a partial path (tiny_target's EOS ids).
     check_greedy_equals_ar(tiny_target, make_drafter(name), [TRAIN_PROMPTS[0]], 16, stop_on_eos=True)
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", per_method(METHODS))
 def test_sampling_follows_the_target(tiny_target, make_drafter, name):
     accepted = check_sampling_temperatures(tiny_target, make_drafter(name), [TRAIN_PROMPTS[1], TRAIN_PROMPTS[2]],
                                            n=40, seeds=range(3))
@@ -85,7 +93,7 @@ def test_sampling_follows_the_target(tiny_target, make_drafter, name):
         assert accepted > 0, "no draft token was ever accepted: the check proves little"
 
 
-@pytest.mark.parametrize("name", [m for m in METHODS if spec(m).trainable])
+@pytest.mark.parametrize("name", per_method(m for m in METHODS if spec(m).trainable))
 def test_artifact_round_trip(tiny_target, make_drafter, name, tmp_path):
     s = spec(name)
     make_drafter(name)  # trains once
@@ -114,6 +122,8 @@ def test_first_training_losses_are_pinned(tiny_target, name):
     losses = first_losses(spec(name), tiny_target)
     pinned = json.loads(PINNED_LOSSES.read_text()) if PINNED_LOSSES.exists() else {}
     if os.environ.get("DRAFTLAB_UPDATE_GOLDEN") == "1":
+        # Each call rewrites the whole file: parallel workers would drop each other's entries.
+        assert int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) == 1, "update the pinned losses with -n 0"
         pinned[name] = losses
         PINNED_LOSSES.write_text(json.dumps(dict(sorted(pinned.items())), indent=1) + "\n")
     assert name in pinned, f"no pinned losses for {name}: run with DRAFTLAB_UPDATE_GOLDEN=1 and commit the file"
@@ -172,7 +182,7 @@ def _budgets(drafter) -> list:
 
 
 @pytest.mark.parametrize("rows", ["cheap", "dear"])
-@pytest.mark.parametrize("name", AUTO_TREE)
+@pytest.mark.parametrize("name", per_method(AUTO_TREE))
 def test_auto_tree_greedy_equals_ar_and_sampling_follows_the_target(tiny_target, make_drafter, name, rows):
     """``tree: auto`` with a given verify cost (a timed curve would make the trees depend on the machine's
     load): free rows grow the capped tree wherever the draft gives a node any chance, which must be accepted;
