@@ -7,6 +7,7 @@ multirun sweep being ``<sweep>/<job_num>/record.json``)::
      "choices": {"method": ..., "target": ..., "bench": ..., ...},   # Hydra group choices
      "overrides": [str], "config": {...}, "git": {"commit": str, "dirty": bool}, "hardware": {...},
      "artifacts": {"draft": str | null, "data": str | null},
+     "draft": {"path": str | null, "sha256": str | null, "step": int | null},   # the evaluated draft (optional)
      "metrics": {"eval/specbench/CODE/tau": float, "eval/specbench/AVG/speedup": float, ...},
      "eval": {"bench", "method", "label", "temperature",
               "axes": {"nodes": int, "ttt_length": int, ...},    # declared by conf/method/<m>.yaml
@@ -16,6 +17,11 @@ multirun sweep being ``<sweep>/<job_num>/record.json``)::
               "baselines": {name: {"method", "label", "axes", "columns", "categories", "accept_lengths",
                                    "mismatches_vs_ar"}}} | null,      # drafters run beside it (optional)
      "train": {"history": [{"step": int, "<metric>": float, ...}], "best": {...}} | null}
+
+``git.dirty`` says whether the job ran from a tree with uncommitted changes; a record without it (or
+without a commit) is of unknown provenance, never taken for clean. ``draft`` names the weights evaluated
+(``sha256`` over the draft's state dict, ``step`` the training step they were saved at); records written
+before it existed have none.
 
 Each entry of ``eval.baselines`` answered the same questions in the same process against the same AR
 run; :func:`load_records` returns it as a record of its own (:func:`baseline_records`), so tables hold
@@ -157,6 +163,21 @@ class Record:
         return dict(sorted((int(k), int(v)) for k, v in raw.items()))
 
     @property
+    def dirty(self) -> bool | None:
+        """Whether the job ran from a tree with uncommitted changes; None when the record does not say
+        (no git block, no commit, or no dirty flag)."""
+        git = self.data.get("git") or {}
+        if not git.get("commit") or not isinstance(git.get("dirty"), bool):
+            return None
+        return git["dirty"]
+
+    @property
+    def draft(self) -> dict[str, Any]:
+        """``{"path", "sha256", "step"}`` of the evaluated draft; all None in records that predate it."""
+        d = self.data.get("draft") or {}
+        return {k: d.get(k) for k in ("path", "sha256", "step")}
+
+    @property
     def history(self) -> list[dict]:
         return self.train.get("history") or []
 
@@ -208,6 +229,22 @@ def _check_record(data: dict, path: Path) -> None:
                        ("train", dict)):
         if data.get(key) is not None and not isinstance(data[key], types):
             raise fail(f"'{key}' must be a {types.__name__} or null, got {type(data[key]).__name__}")
+    git = data.get("git") or {}
+    if git.get("commit") is not None and not isinstance(git["commit"], str):
+        raise fail(f"'git.commit' must be a string or null, got {git['commit']!r}")
+    if git.get("dirty") is not None and not isinstance(git["dirty"], bool):
+        raise fail(f"'git.dirty' must be a boolean or null, got {git['dirty']!r}")
+    draft = data.get("draft")
+    if draft is not None:
+        if not isinstance(draft, dict):
+            raise fail(f"'draft' must be an object or null, got {type(draft).__name__}")
+        for key, ok, what in (("path", lambda v: isinstance(v, str), "a string"),
+                              ("sha256", lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v),
+                               "a sha256 hex digest"),
+                              ("step", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                               "a non-negative int")):
+            if draft.get(key) is not None and not ok(draft[key]):
+                raise fail(f"'draft.{key}' must be {what} or null, got {draft[key]!r}")
     ev = data.get("eval") or {}
     for key, ok, what in (("label", lambda v: isinstance(v, str), "a string"),
                           ("temperature", _is_number, "a number"),

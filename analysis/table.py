@@ -10,6 +10,10 @@ Columns are the eleven ConFu columns then AVG. A best value is bolded in its set
 when at least two rows of the group have a value there (ties at the printed precision are all bold).
 Missing cells print as "–" (Markdown) or "--" (LaTeX). Rows that share a key (repeated runs) are averaged,
 as Spec-Bench's ``--mean-report`` averages its three runs; ``--duplicates error`` refuses instead.
+
+A row any of whose records ran from a tree with uncommitted changes (``git.dirty``) has its label marked
+``†``; a row with a record that does not say (no commit or dirty flag) is marked ``‡``, not passed as
+clean. A note under the table says what each mark shown means.
 """
 
 from __future__ import annotations
@@ -35,6 +39,21 @@ MISSING_MD = "–"
 MISSING_TEX = "--"
 
 
+# Row-label marks for rows whose code is not exactly a commit, and the note printed under a table using one.
+PROVENANCE_MARKS = {"dirty": ("†", r"$^\dagger$"), "unknown": ("‡", r"$^\ddagger$")}
+PROVENANCE_NOTES = {"dirty": "run from a working tree with uncommitted changes (the record's git.dirty), "
+                             "so not exactly the code of its commit",
+                    "unknown": "the record does not say which commit it ran or whether the tree was clean"}
+
+
+def provenance(records: Sequence[Record]) -> str:
+    """``dirty`` if any record ran from a dirty tree, else ``unknown`` if any does not say, else ``clean``."""
+    states = {r.dirty for r in records}
+    if True in states:
+        return "dirty"
+    return "unknown" if None in states else "clean"
+
+
 class TableError(ValueError):
     """The records cannot form the requested table (mixed benches, colliding rows, ...)."""
 
@@ -45,6 +64,7 @@ class Row:
     keys: list[str | None]
     values: dict[str, dict[str, float | None]]
     n_runs: int = 1
+    provenance: str = "clean"  # "clean", "dirty" or "unknown": see PROVENANCE_MARKS
 
 
 @dataclass
@@ -185,7 +205,8 @@ def build_table(
         group, _, _ = keyed(group_records[0])
         cells = [format_temperature(k) if h == "T" else (None if k is None else str(k))
                  for h, k in zip(key_headers, key)]
-        table.rows.append(Row(group=group, keys=cells, values=values, n_runs=len(group_records)))
+        table.rows.append(Row(group=group, keys=cells, values=values, n_runs=len(group_records),
+                              provenance=provenance(group_records)))
     return table
 
 
@@ -210,6 +231,19 @@ def _tex_escape(text: str) -> str:
     return out
 
 
+def _marked(row: Row, cells: list[str], fmt: int) -> list[str]:
+    """The row's key cells with its provenance mark (``fmt`` 0: Markdown, 1: LaTeX) after the first one."""
+    if row.provenance == "clean" or not cells:
+        return cells
+    return [cells[0] + PROVENANCE_MARKS[row.provenance][fmt], *cells[1:]]
+
+
+def _notes(table: Table) -> list[str]:
+    """The provenance states the table marks, in mark order (each gets a note under the table)."""
+    used = {row.provenance for row in table.rows}
+    return [p for p in PROVENANCE_MARKS if p in used]
+
+
 def _cell_text(table: Table, i: int, col: str, metric: str, best: set, bold: str, missing: str) -> str:
     s = table.fmt(table.rows[i].values.get(col, {}).get(metric))
     if s is None:
@@ -232,11 +266,13 @@ def render_markdown(table: Table, *, cell: str = "split") -> str:
     align = [":---"] + ["---:"] * (len(table.key_headers) - 1) + ["---:"] * (len(header) - len(table.key_headers))
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
     for i, row in enumerate(table.rows):
-        cells = [MISSING_MD if k is None else _md_escape(k) for k in row.keys]
+        cells = _marked(row, [MISSING_MD if k is None else _md_escape(k) for k in row.keys], 0)
         for col in table.columns:
             parts = [_cell_text(table, i, col, m, best, "**{}**", MISSING_MD) for m in table.metrics]
             cells += parts if split else [" / ".join(parts)]
         lines.append("| " + " | ".join(cells) + " |")
+    for p in _notes(table):  # a paragraph each, so renderers keep them on their own lines
+        lines += ["", f"{PROVENANCE_MARKS[p][0]} {PROVENANCE_NOTES[p]}."]
     return "\n".join(lines) + "\n"
 
 
@@ -267,12 +303,15 @@ def render_latex(table: Table, *, cell: str = "split") -> str:
         if previous is not None and row.group != previous:
             lines.append(r"\midrule")
         previous = row.group
-        cells = [MISSING_TEX if k is None else _tex_escape(k) for k in row.keys]
+        cells = _marked(row, [MISSING_TEX if k is None else _tex_escape(k) for k in row.keys], 1)
         for col in table.columns:
             parts = [_cell_text(table, i, col, m, best, r"\textbf{{{}}}", MISSING_TEX) for m in table.metrics]
             cells += parts if split else [" / ".join(parts)]
         lines.append(" & ".join(cells) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
+    # Below the tabular, inside whatever float holds it; \par puts each note on its own line.
+    lines += [rf"\par{{\footnotesize {PROVENANCE_MARKS[p][1]} {_tex_escape(PROVENANCE_NOTES[p])}.}}"
+              for p in _notes(table)]
     return "\n".join(lines) + "\n"
 
 

@@ -412,5 +412,9 @@ def test_without_validation_the_artifact_is_the_state_training_ended_in(tmp_path
     assert record["train"]["best"]["step"] == final["global_step"]
     draft = MethodSpec(cfg.method).load(Path(record["artifacts"]["draft"]), tiny_target)
     assert torch.equal(draft.fc.weight, final["state_dict"]["draft.fc.weight"])
+    # The record names these weights and the step they were saved at.
+    from draftlab.tracking import weights_sha256
+
+    assert record["draft"]["step"] == final["global_step"] and record["draft"]["sha256"] == weights_sha256(draft)
     earlier = torch.load(kept[-1], map_location="cpu", weights_only=False)["state_dict"]["draft.fc.weight"]
     assert not torch.equal(draft.fc.weight, earlier)

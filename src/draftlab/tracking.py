@@ -9,8 +9,9 @@ Every job (one ``draftlab-train`` / ``draftlab-eval`` invocation, or one job of 
   job, because Hydra's sequential launcher runs all jobs in one process and W&B would otherwise keep
   logging the next job into the first job's run;
 - ``record.json`` in its run directory (schema ``draftlab.record/1``): resolved config, choices,
-  overrides, metrics, eval tables, training history, artifact keys, git commit and hardware, so
-  ``analysis/`` needs no server.
+  overrides, metrics, eval tables, training history, artifact keys, git commit (and whether the tree had
+  uncommitted changes), the evaluated draft's identity (``draft``: path, weights sha256, training step) and
+  hardware, so ``analysis/`` needs no server.
 """
 
 from __future__ import annotations
@@ -134,9 +135,51 @@ def git_info(repo: str | Path | None = None) -> dict[str, Any]:
         dirty = subprocess.run(["git", "status", "--porcelain"], cwd=cwd, capture_output=True, text=True, timeout=5)
         if commit.returncode != 0:
             return {"commit": None, "dirty": None}
-        return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+        # A status that failed says nothing about the tree: unknown, not clean.
+        clean_known = dirty.returncode == 0
+        return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip()) if clean_known else None}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
+
+
+def weights_sha256(module) -> str:
+    """sha256 over a module's state dict: every tensor's name, dtype, shape and bytes, in name order.
+
+    Taken from the loaded module rather than the saved files, so a draft saved and loaded again (in any of its
+    artifact formats, whatever metadata the files hold) keeps its hash, while any changed weight changes it.
+    """
+    import torch
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        # The raw bytes through a uint8 view, since numpy has no bfloat16; hashed in place, not copied.
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def draft_step(draft_dir: str | Path) -> int | None:
+    """The training step a trained artifact's weights were saved at: ``best.step`` of the
+    ``train_summary.json`` that ``draftlab-train`` writes beside ``draft/``; None for a draft from
+    elsewhere (an export, a hand-made artifact)."""
+    path = Path(draft_dir).parent / "train_summary.json"
+    try:
+        step = json.loads(path.read_text())["best"]["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return int(step) if isinstance(step, int) and step >= 0 else None
+
+
+def draft_identity(draft_dir: str | Path | None, draft=None) -> dict[str, Any]:
+    """``{"path", "sha256", "step"}`` of the evaluated draft (all None for a training-free method).
+
+    The path alone does not say what was measured: a content-addressed directory can be retrained or resumed
+    in place, so two records naming one directory may have evaluated different weights.
+    """
+    if draft_dir is None or draft is None:
+        return {"path": None, "sha256": None, "step": None}
+    return {"path": str(draft_dir), "sha256": weights_sha256(draft), "step": draft_step(draft_dir)}
 
 
 def hardware_info() -> dict[str, Any]:
@@ -152,13 +195,16 @@ def hardware_info() -> dict[str, Any]:
 
 def build_record(cfg: DictConfig, *, kind: str, identity: dict[str, Any], metrics: dict[str, float],
                  artifacts: dict[str, Any], eval_result: dict | None = None, train: dict | None = None,
-                 ctx: dict[str, Any] | None = None, git: dict[str, Any] | None = None) -> dict[str, Any]:
+                 ctx: dict[str, Any] | None = None, git: dict[str, Any] | None = None,
+                 draft: dict[str, Any] | None = None) -> dict[str, Any]:
     # ``git`` is read when the job starts: a long job outlives commits made while it runs.
+    # ``draft``: :func:`draft_identity` of the evaluated draft.
     ctx = hydra_context() if ctx is None else ctx
     return {"schema": RECORD_SCHEMA, "kind": kind, "run_name": identity["name"], "group": identity["group"],
             "tags": identity["tags"], "choices": ctx.get("choices", {}), "overrides": ctx.get("overrides", []),
             "config": OmegaConf.to_container(cfg, resolve=True), "git": git_info() if git is None else git, "hardware": hardware_info(),
-            "artifacts": artifacts, "metrics": metrics, "eval": eval_result, "train": train}
+            "artifacts": artifacts, "draft": draft or draft_identity(None), "metrics": metrics, "eval": eval_result,
+            "train": train}
 
 
 def write_record(run_dir: str | Path, record: dict[str, Any]) -> Path:

@@ -3,7 +3,8 @@
 ``run_pipeline(cfg)`` composes the stages; the method is whatever ``cfg.method`` declares (see
 ``draftlab.methods.registry``). A trainable method either trains (content-addressed, reused or resumed)
 or, with ``draft_path=DIR``, evaluates an existing artifact; a training-free method goes straight to
-evaluation. The job's record (``<run dir>/record.json``) and W&B run name the commit the job started on.
+evaluation. The job's record (``<run dir>/record.json``) and W&B run name the commit the job started on
+(and whether the tree was dirty) and the evaluated draft by path, weights hash and training step.
 """
 
 from __future__ import annotations
@@ -62,10 +63,15 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
                 metrics["train/seconds"] = result.train_seconds
                 metrics["train/reused"] = float(result.reused)
             artifacts["draft"] = str(draft_dir)
-            draft = spec.load(draft_dir, target).to(target.dtype).eval()
+            draft = spec.load(draft_dir, target)
+            # Hashed as saved, before the cast to the target's dtype, so the hash names the artifact's weights.
+            draft_id = tracking.draft_identity(draft_dir, draft)
+            draft = draft.to(target.dtype).eval()
             drafter = spec.build_drafter(draft)
         else:
             draft, drafter = None, spec.build_drafter()
+            draft_id = tracking.draft_identity(None)
+        _summarise_identity(loggers, git, draft_id)
 
         eval_record = None
         if cfg.eval.enabled:
@@ -73,9 +79,19 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
                                                    draft_dir=draft_dir)
             metrics.update(eval_metrics)
         record = tracking.build_record(cfg, kind=stage, identity=identity, metrics=metrics, artifacts=artifacts,
-                                       eval_result=eval_record, train=train_info, ctx=ctx, git=git)
+                                       eval_result=eval_record, train=train_info, ctx=ctx, git=git, draft=draft_id)
         path = tracking.write_record(run_dir, record)
         log.info("run record: %s", path)
         return record
     finally:
         tracking.finish_wandb()
+
+
+def _summarise_identity(loggers: list, git: dict[str, Any], draft_id: dict[str, Any]) -> None:
+    """The commit, dirty flag and draft identity in the W&B run's summary, as in the record, so runs can be
+    filtered by what they measured without opening their records."""
+    run = tracking.wandb_run(loggers)
+    if run is None:
+        return
+    run.summary.update({"git/commit": git.get("commit"), "git/dirty": git.get("dirty"),
+                        **{f"draft/{k}": v for k, v in draft_id.items()}})
