@@ -32,10 +32,14 @@ BASE=$(record "$OUT/sft")
 # 2b. The paper's ablations, each the Draft-OPD arm above with one setting changed (ABLATIONS="" skips them):
 #     no decay (gamma 1), all forward KL, all reverse KL, random anchors; the official sampled estimators; and
 #     the Draft-OPD arm itself with another seed (other prompts and order), for the spread of one setting.
+#     Two random-anchor arms: `random` replays the committed continuation at random positions as all accepted
+#     (so it also drops the rejected positions and their reverse-KL term); `random_rounds` runs a real
+#     verification round of the rollout drafter at as many random positions, so only the placement differs.
+ALL_ABLATIONS="seed1 nodecay forward reverse random random_rounds sampled"
 declare -A ABL=([seed1]=seed=1 [nodecay]=method.module.objective.gamma=1.0 [forward]=method.module.objective.divergence=forward
                 [reverse]=method.module.objective.divergence=reverse [random]=method.module.anchors=random
-                [sampled]=method.module.objective.estimator=sampled)
-for arm in ${ABLATIONS-seed1 nodecay forward reverse random sampled}; do
+                [random_rounds]=method.module.anchors=random_rounds [sampled]=method.module.objective.estimator=sampled)
+for arm in ${ABLATIONS-$ALL_ABLATIONS}; do
   [ -f "$OUT/opd_$arm/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init_draft="$BASE" \
       "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
       method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
@@ -43,15 +47,15 @@ for arm in ${ABLATIONS-seed1 nodecay forward reverse random sampled}; do
       "${ABL[$arm]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/opd_$arm"
 done
 
-# 3. Continued SFT for $MIN minutes on the supervised data (its features are already cached).
-[ -f "$OUT/sft_more/record.json" ] || draftlab-train experiment=quickstart method=eagle3_continue \
+# 3. Continued SFT for $MIN minutes on the supervised data (its features are already cached; SFT_MORE=0 skips).
+[ "${SFT_MORE:-1}" = 0 ] || [ -f "$OUT/sft_more/record.json" ] || draftlab-train experiment=quickstart method=eagle3_continue \
     init_draft="$BASE" trainer.max_epochs=1000 +trainer.max_time="$BUDGET" method.data.val_fraction=0 "${FP32[@]}" \
     eval.enabled=false logger=csv hydra.run.dir="$OUT/sft_more"
 
 # 4. Each draft on Spec-Bench (one question per category, 128 tokens, T=0) against AR in its own process.
 # EVAL_ARMS="sft opd_forward ..." evaluates only those (the drafts are deterministic at T=0, so tau is the
 # same in any process; SR needs its own AR run, measured beside each draft).
-for arm in ${EVAL_ARMS-sft opd sft_more $(for a in ${ABLATIONS-seed1 nodecay forward reverse random sampled}; do echo "opd_$a"; done)}; do
+for arm in ${EVAL_ARMS-sft opd sft_more $(for a in ${ABLATIONS-$ALL_ABLATIONS}; do echo "opd_$a"; done)}; do
   [ -f "$OUT/eval_$arm/record.json" ] || draftlab-eval experiment=quickstart method=eagle3 \
       draft_path="$(record "$OUT/$arm")" bench=specbench bench.per_category=1 eval.max_new_tokens=128 \
       "${TREE[@]}" eval.baselines.pld=null eval.baselines.suffix=null logger=csv hydra.run.dir="$OUT/eval_$arm"
@@ -62,7 +66,7 @@ done
 
 # 5. GSM8K test questions never trained on (Spec-Bench's math_reasoning rows are GSM8K test; none is in the
 #    GSM8K train prompts), 10 questions, same drafter.
-for arm in ${GSM8K_ARMS-sft sft_more opd opd_seed1 opd_forward}; do
+for arm in ${GSM8K_ARMS-sft sft_more opd opd_seed1 opd_forward opd_random opd_random_rounds}; do
   [ -f "$OUT/gsm8k_$arm/record.json" ] || draftlab-eval experiment=quickstart method=eagle3 \
       draft_path="$(record "$OUT/$arm")" bench=specbench 'bench.categories=[math_reasoning]' bench.per_category=10 \
       eval.max_new_tokens=128 "${TREE[@]}" eval.baselines.pld=null eval.baselines.suffix=null logger=csv \
@@ -72,7 +76,8 @@ done
 # 6. Held-out tau against training time (the plateau of the paper's Figure 1): continued SFT and Draft-OPD for
 #    CURVE_MIN minutes (default 15) with a checkpoint every CURVE_EVERY minutes (5), run side by side on one
 #    core each, so both arms get the same CPU time; then every checkpoint decodes Spec-Bench (one question
-#    per category, 96 tokens, T=0) with the evaluated tree (curve.py).
+#    per category, 96 tokens, T=0) with the evaluated tree (curve.py). CURVE=0 skips this step.
+if [ "${CURVE:-1}" = 1 ]; then
 CMIN=${CURVE_MIN:-15}
 CBUDGET=$(printf "00:00:%02d:00" "$CMIN")
 CKPT=(callbacks.model_checkpoint.save_top_k=-1 +callbacks.model_checkpoint.train_time_interval._target_=datetime.timedelta
@@ -90,6 +95,7 @@ if [ ! -f "$OUT/curve_opd/record.json" ] || [ ! -f "$OUT/curve_sft/record.json" 
 fi
 python experiments/draft_opd/curve.py --start "$BASE" "$OUT/curve_sft" "$OUT/curve_opd" \
     --name "SFT continued" --name "Draft-OPD" --out experiments/draft_opd/curve
+fi
 
 # 7. The DFlash student: a supervised DFlash draft (block 4; experiment=dflash_smollm2's 32 regenerated
 #    conversations, 10 minutes), then Draft-OPD and continued supervised training from it for $MIN minutes

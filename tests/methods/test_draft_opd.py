@@ -361,3 +361,141 @@ def test_objective_settings_are_checked():
         Objective(divergence="js")
     with pytest.raises(ValueError, match="lambda"):
         Objective(lambda_acc=0.0, lambda_rej=0.0)
+
+
+# ---- random_rounds: verification rounds at chosen positions of a rollout ----------------------------------
+
+
+def _anchors_equal(a, b, atol=1e-5):
+    assert (a.root, a.chain.tolist(), a.accepted, sorted(a.rejected), a.committed) == \
+        (b.root, b.chain.tolist(), b.accepted, sorted(b.rejected), b.committed)
+    torch.testing.assert_close(a.target_logprobs, b.target_logprobs, atol=atol, rtol=atol)
+
+
+def test_rounds_sit_at_the_chosen_positions_of_a_stub_rollout():
+    from draftlab.methods.draft_opd.anchors import round_anchor
+    from draftlab.methods.draft_opd.rounds import rounds_at
+
+    target = TableTarget(CYCLE)
+    prompt = [0, 5, 6]
+    cfg = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
+    out, _ = speculative_generate(target, prompt, FixedDrafter(_round_tree), cfg)
+    tokens = prompt + out
+    positions = [10, 3, 6, 5]  # any order: rounds come back sorted by root
+    traces = rounds_at(target, FixedDrafter(_round_tree), tokens, len(prompt), positions, cfg)
+    assert [t.anchor for t in traces] == sorted(positions)
+    for t in traces:
+        a = round_anchor(t)
+        r = tokens[t.anchor]  # the committed token there is the round's root
+        tree = _round_tree(r)
+        _, y, _, w = tree.tokens[2:].tolist()
+        # The hand-worked round of test_anchor_of_a_hand_worked_tree_round, rooted at the chosen position.
+        assert a.root == t.anchor and a.chain.tolist() == [CYCLE[r], y, w] and a.accepted == 1
+        assert a.committed == tokens[t.anchor + 2]
+        torch.testing.assert_close(a.target_logprobs, torch.log_softmax(target.table[torch.tensor([r, CYCLE[r], y])], -1))
+    with pytest.raises(ValueError, match="positions"):
+        rounds_at(target, FixedDrafter(_round_tree), tokens, len(prompt), [len(tokens) - 1], cfg)
+    with pytest.raises(ValueError, match="distinct"):
+        rounds_at(target, FixedDrafter(_round_tree), tokens, len(prompt), [4, 4], cfg)
+
+
+SMALL_TREE = {"top_k": 3, "depth": 3, "total_tokens": 6}  # the rollouts' fixed tree in experiments/draft_opd
+
+
+def _drafter(method, draft):
+    return Eagle3Drafter(draft, **SMALL_TREE) if method == "eagle3" else DFlashDrafter(draft, sampling="argmax")
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_rounds_at_the_rollout_roots_are_the_error_anchors(tiny_target, request, method):
+    """Rounds placed where the rollout's own rounds were give back its anchors: the forced walk keeps the
+    target cache and the drafter's state as the engine does."""
+    from draftlab.methods.draft_opd.anchors import trace_anchors as anchors_of
+    from draftlab.methods.draft_opd.rounds import rounds_at
+
+    draft = request.getfixturevalue(f"{method}_draft")
+    cfg = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    prompt = list(range(100, 116))
+    out, stats = speculative_generate(tiny_target, prompt, _drafter(method, draft), cfg, trace=True)
+    error = anchors_of(stats.trace)
+    traces = rounds_at(tiny_target, _drafter(method, draft), prompt + out, len(prompt), [a.root for a in error], cfg)
+    again = anchors_of(traces)
+    assert len(again) == len(error)
+    for a, b in zip(again, error):
+        _anchors_equal(a, b)
+
+
+def test_rounds_at_random_positions_are_real_rounds(tiny_target, eagle3_draft):
+    """At positions no rollout round started from, each round equals the first round of a fresh decode of
+    that prefix (the same drafter, tree and target), and its target log-probs equal a fresh target forward
+    over prefix + chain."""
+    from draftlab.methods.draft_opd.anchors import round_anchor
+    from draftlab.methods.draft_opd.rounds import rounds_at
+
+    cfg = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    prompt = list(range(100, 116))
+    out, stats = speculative_generate(tiny_target, prompt, _drafter("eagle3", eagle3_draft), cfg, trace=True)
+    tokens, P = prompt + out, len(prompt)
+    roots = {t.anchor for t in stats.trace}
+    positions = [p for p in range(P + 1, len(tokens) - 1) if p not in roots][:5] + [P + 3, len(tokens) - 2]
+    positions = sorted(set(positions))
+    assert any(p not in roots for p in positions)
+    anchors = [round_anchor(t) for t in rounds_at(tiny_target, _drafter("eagle3", eagle3_draft), tokens, P,
+                                                  positions, cfg)]
+    assert [a.root for a in anchors] == positions
+    assert any(a.accepted < a.length for a in anchors)  # rejected positions too: the reverse-KL term stays
+    for a in anchors:
+        # The accepted chain is the committed continuation (T=0), and the committed token follows it.
+        assert a.chain[: a.accepted].tolist() == tokens[a.root + 1: a.root + 1 + a.accepted]
+        if a.root + 1 + a.accepted < len(tokens):
+            assert a.committed == tokens[a.root + 1 + a.accepted]
+        seq = torch.tensor([tokens[: a.root + 1] + a.chain[:-1].tolist()])
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny_target.forward(seq).logits[0].float(), -1)[a.root:]  # [K, V]
+        torch.testing.assert_close(a.target_logprobs, logp, atol=1e-4, rtol=1e-4)
+        # A fresh decode of the prefix: its root is the committed token (T=0), its first round this one.
+        _, fresh = speculative_generate(tiny_target, tokens[: a.root], _drafter("eagle3", eagle3_draft),
+                                        GenerationConfig(max_new_tokens=2, stop_on_eos=False), trace=True)
+        _anchors_equal(a, round_anchor(fresh.trace[0]), atol=1e-4)
+
+
+def test_random_rounds_module_places_as_many_anchors_reproducibly(tiny_target, eagle3_draft):
+    """``anchors=random_rounds`` through the module: per rollout as many anchors as the error rule, at
+    distinct response positions, with accepted and rejected positions; a phase recomputed (a resume before
+    its first checkpoint) places the same anchors; replay keeps the rejected positions' reverse-KL term."""
+    from draftlab.methods.registry import MethodSpec
+    from tests.decoding.conformance.methods import sequences
+
+    spec = MethodSpec.from_name("draft_opd", ["method.module.anchors=random_rounds", "method.module.refresh_every=2"])
+    assert spec.axes()["anchors"] == "random_rounds"
+    spec.cfg.student.drafter.update(**SMALL_TREE)
+    module = spec.build_module(copy.deepcopy(eagle3_draft).train(), tiny_target)
+    module.log_dict = lambda *a, **k: None  # no trainer attached
+    module.generation.max_new_tokens = 24
+    seqs = sequences(tiny_target)[:2]
+    batch = {"input_ids": torch.tensor([s[:20] for s in seqs]), "attention_mask": torch.ones(2, 20, dtype=torch.long),
+             "loss_mask": torch.tensor([[0] * 12 + [1] * 8] * 2)}
+    error, _ = module.decode(module._prompts(batch))
+    module.start_phase(0, batch)
+    assert len(module.buffer) == len(error)
+    for ro, err in zip(module.buffer, error):
+        assert torch.equal(ro.tokens, err.tokens) and ro.rounds == err.rounds
+        roots = [a.root for a in ro.anchors]
+        assert len(set(roots)) == len(roots) and all(ro.prompt_len <= r <= len(ro.tokens) - 2 for r in roots)
+    # The positions are the phase's seeded draw (here, from a draft rejected almost everywhere, nearly every
+    # response position: as many rounds as positions leaves little room to place them elsewhere).
+    gen = torch.Generator().manual_seed(module.seed * 1_000_003 + 0)
+    for ro in module.buffer:
+        room = len(ro.tokens) - 1 - ro.prompt_len
+        drawn = (ro.prompt_len + torch.randperm(room, generator=gen)[: ro.rounds]).tolist()
+        assert [a.root for a in ro.anchors] == sorted(drawn)
+    first = [list(ro.anchors) for ro in module.buffer]
+    module.start_phase(0, batch)
+    for ro, anchors in zip(module.buffer, first):
+        for a, b in zip(ro.anchors, anchors):
+            _anchors_equal(a, b, atol=0.0)
+    module.steps_done = 0
+    loss = module.training_step(batch, 0)
+    assert torch.isfinite(loss)
+    _, stats = module.objective(module.replay_batch(module._chosen(0, 0)))
+    assert int(stats["rejected"]) > 0 and float(stats["rev_term"]) > 0  # unlike ``random``: rejected positions

@@ -29,12 +29,13 @@ import lightning as L
 import torch
 
 from draftlab.decoding.engine import GenerationConfig
-from draftlab.methods.draft_opd.anchors import Anchor
+from draftlab.methods.draft_opd.anchors import Anchor, round_anchor
 from draftlab.methods.draft_opd.objective import Objective, ReplayBatch
 from draftlab.methods.draft_opd.rollout import Rollout, RolloutReport, prompt_of, rollout
+from draftlab.methods.draft_opd.rounds import rounds_at
 from draftlab.training.schedule import configure
 
-ANCHOR_RULES = ("error", "random")
+ANCHOR_RULES = ("error", "random", "random_rounds")
 
 
 class DraftOPDModule(L.LightningModule):
@@ -53,9 +54,14 @@ class DraftOPDModule(L.LightningModule):
     refresh_every      replay steps per rollout phase (the data module repeats each batch this many times).
     sequences_per_step rollouts replayed per optimiser step.
     rejected_suffix    replay the rejected node's own descendants too (the whole rejected suffix of a chain).
-    anchors            ``error`` (verification anchors, the method) or ``random`` (the ablation: as many
-                       anchors at random response positions, replaying the committed continuation, all
-                       accepted, target log-probs from one teacher-forced target pass).
+    anchors            ``error`` (verification anchors, the method); ``random`` (the paper's ablation as
+                       built here: as many anchors at random response positions, replaying the committed
+                       continuation, all accepted, target log-probs from one teacher-forced target pass; so
+                       it changes the objective too: no rejected positions, no reverse-KL term); or
+                       ``random_rounds`` (only the placement changes: as many anchors at random response
+                       positions, each a real verification round of the rollout drafter from there, with
+                       accepted path, rejected node and suffix and the verify pass's target log-probs,
+                       ``rounds.rounds_at``).
     objective          ``objective.Objective`` fields (gamma, lambda_acc, lambda_rej, estimator, divergence).
     max_prompt_tokens  longer prompts are skipped (counted).
     """
@@ -131,11 +137,40 @@ class DraftOPDModule(L.LightningModule):
                               committed=int(ro.tokens[nxt]) if nxt < T else -1))
         return out
 
+    def _round_anchors(self, ro: Rollout, gen: torch.Generator) -> list[Anchor]:
+        """As many anchors as ``ro`` has (its rounds that proposed something), at distinct random response
+        positions, each a verification round of the rollout drafter from that position of ``ro``."""
+        T = int(ro.tokens.shape[0])
+        # A root needs a committed next token: roots lie in [prompt_len, T - 2], as the rollout's own do.
+        room = T - 1 - ro.prompt_len
+        M = min(len(ro.anchors), room)
+        if M < 1:
+            return []
+        positions = (ro.prompt_len + torch.randperm(room, generator=gen)[:M]).tolist()
+        # At T > 0 the rounds draw their verification outcomes; their generator follows the positions' one,
+        # so a phase recomputed after a resume draws the same.
+        sampling = (None if self.generation.temperature == 0
+                    else torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen))))
+        was_training = self.draft.training
+        device = next(self.draft.parameters()).device
+        try:
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                drafter = self.drafter_factory(self.draft)
+                traces = rounds_at(self.target, drafter, ro.tokens.tolist(), ro.prompt_len, positions,
+                                   self.generation, generator=sampling)
+        finally:
+            self.draft.train(was_training)
+        vocab = self.vocab_ids()
+        anchors = (round_anchor(t, vocab_ids=vocab, rejected_suffix=self.rejected_suffix) for t in traces)
+        return [a for a in anchors if a is not None]
+
     def start_phase(self, phase: int, batch: dict[str, torch.Tensor]) -> RolloutReport:
         rollouts, report = self.decode(self._prompts(batch))
-        if self.anchor_rule == "random":
+        if self.anchor_rule in ("random", "random_rounds"):
+            # Seeded by (seed, phase): a phase recomputed after a resume places the same anchors.
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + phase)
-            rollouts = [Rollout(r.tokens, r.prompt_len, self._random_anchors(r, gen)) for r in rollouts]
+            make = self._random_anchors if self.anchor_rule == "random" else self._round_anchors
+            rollouts = [Rollout(r.tokens, r.prompt_len, make(r, gen)) for r in rollouts]
         self.buffer = [r for r in rollouts if r.anchors]
         self.buffer_phase = phase
         self._features = {}

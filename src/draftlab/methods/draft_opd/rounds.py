@@ -1,0 +1,144 @@
+"""Verification rounds at chosen positions of a committed sequence (the ``random_rounds`` anchor rule).
+
+Draft-OPD's anchors are the roots of the rounds a rollout happened to run. To ask whether *where* the
+anchors sit matters, with everything else held fixed, the draft must be verified at other positions of the
+same rollout, by the same drafter (tree, temperature) and the same target, so that each of those anchors is
+a real round: accepted path, first rejected node (and its suffix), rejected siblings and the target
+log-probs of the verify pass, exactly what ``anchors.round_anchor`` reads from an engine trace.
+
+A fresh prefill per position would cost a full target pass over the prefix for each of them (about as
+many as there are rounds, i.e. most response positions of a weak draft). Instead one pass walks the
+committed sequence left to right, keeping the target's KV cache and the drafter's own state in step with
+it, as the engine does:
+
+- at a chosen position q (cache = tokens[:q], root = tokens[q]) the drafter proposes and one target pass
+  verifies its tree, as an engine round; the round is traced;
+- the round's own outcome is then committed as far as it agrees with the committed sequence and does not
+  run past the next chosen position (at T=0 the accepted path and the bonus *are* the committed tokens, so
+  this is the engine's own step, cut short like a round cut at the token budget);
+- any remaining gap up to the next chosen position is fed as a forced chain (root + committed tokens, all
+  "accepted"), one target pass whose K/V and tapped features the drafter absorbs through ``update`` as if
+  a round had accepted them.
+
+So the target processes each committed token about once, plus one tree per chosen position. The drafter's
+state at a chosen position depends only on the committed prefix and the target's features of it, which
+are the same (up to float rounding) whichever rounds led there. Drafters that add rows to the verify pass
+(``extra_rows``: ConFu's contemplate rows) carry state the forced chains would not give them, and are
+refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
+from draftlab.decoding.engine import GenerationConfig, RoundTrace
+from draftlab.decoding.tree import DraftTree, ancestor_mask
+from draftlab.decoding.verify import VerifyResult, verify
+
+
+def _tree_pass(target, tree: DraftTree, cache, aux_kw: dict):
+    """One verify pass of ``tree`` over the committed cache: (output, logits [N, V], aux [N, .] or None)."""
+    device = target.device
+    past = cache.length
+    n = tree.size
+    pos = past + tree.depth.to(device)  # [N]
+    own = ancestor_mask(tree.parents).to(device)  # [N, N]
+    mask = torch.cat([own.new_ones(n, past), own], 1)  # [N, past + N]
+    out = target.forward(tree.tokens.to(device)[None], pos, cache, mask, **aux_kw)
+    aux = out.aux_hidden[0, :n] if out.aux_hidden is not None else None
+    return out, out.logits[0, :n], aux
+
+
+def rounds_at(target, drafter: Drafter, tokens: list[int], prompt_len: int, positions: list[int],
+              cfg: GenerationConfig, *, generator: torch.Generator | None = None,
+              trace_dtype: torch.dtype = torch.float32) -> list[RoundTrace]:
+    """One traced verification round of ``drafter`` at each of ``positions`` of the committed ``tokens``.
+
+    tokens      prompt + committed response (a rollout's sequence).
+    positions   root positions, each in ``[prompt_len, len(tokens) - 2]`` (a root needs a committed next
+                token); distinct. Returned in ascending order, one ``RoundTrace`` each (``anchor`` = its root).
+    cfg         the rollout's decoding settings (temperature, top-k/p decide the verify rule).
+    generator   the sampling generator at T > 0 (the rounds' outcomes are then draws, not the committed
+                tokens: only the part that agrees with the committed sequence is committed).
+    """
+    T = len(tokens)
+    positions = sorted(int(p) for p in positions)
+    if len(set(positions)) != len(positions):
+        raise ValueError("positions must be distinct")
+    if positions and (positions[0] < prompt_len or positions[-1] > T - 2):
+        raise ValueError(f"positions must lie in [{prompt_len}, {T - 2}], got {positions[0]}..{positions[-1]}")
+    if prompt_len < 1:
+        raise ValueError("need a non-empty prompt")
+    if not positions:
+        return []
+    taps = drafter.aux_layers(target)
+    aux_kw = {"return_aux": True, "aux_layer_ids": list(taps)} if taps else {}
+    if drafter.attention_rows():
+        raise ValueError("rounds_at does not serve drafters that read the verify passes' attention mass")
+    # Room for the longest pass: a forced chain can span the whole response, a tree the drafter's rows.
+    scratch = max(cfg.max_tree_rows, drafter.verify_rows(cfg) or 0, T)
+    cache = target.new_cache(1, T + scratch)
+    ids = torch.tensor([tokens[:prompt_len]], dtype=torch.long, device=target.device)  # [1, P]
+    out = target.forward(ids, cache=cache, logits_rows=torch.tensor([prompt_len - 1], device=target.device),
+                         **aux_kw)
+    cache.commit(prompt_len)
+    # The root is the committed first response token (at T=0 the prefill's own argmax), not a new draw.
+    state = DecodeState(target=target, cache=cache, tokens=list(tokens[:prompt_len + 1]), prompt_len=prompt_len,
+                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=generator,
+                        accepted_aux=out.aux_hidden[0] if out.aux_hidden is not None else None)
+    drafter.reset(state)
+
+    def absorb(tree: DraftTree, result: VerifyResult, logits, aux, rows: list[int]) -> None:
+        # The engine's commit: rows (root first) become context, their tokens' successors join the sequence.
+        kept = len(rows)
+        cache.commit_rows(rows)
+        state.tokens.extend(tokens[len(state.tokens): len(state.tokens) + kept])
+        state.accepted_aux = aux[rows] if aux is not None else None
+        drafter.update(state, VerifyOutput(tree=tree, result=result, logits=logits, aux=aux,
+                                           accepted_aux=state.accepted_aux, extra=None, kept=kept))
+
+    def force(until: int) -> None:
+        # Committed tokens from the root up to position ``until`` (the next root) as one accepted chain.
+        root = len(state.tokens) - 1
+        if until <= root:
+            return
+        chain = DraftTree.chain(tokens[root], tokens[root + 1: until], deterministic=True)
+        _, logits, aux = _tree_pass(target, chain, cache, aux_kw)
+        result = VerifyResult(list(range(chain.size)), int(tokens[until]), [])
+        absorb(chain, result, logits, aux, list(range(chain.size)))
+
+    traces: list[RoundTrace] = []
+    for i, q in enumerate(positions):
+        force(q)
+        assert cache.length == q and len(state.tokens) == q + 1
+        tree = drafter.propose(state)
+        if drafter.extra_rows(state, tree) is not None:
+            raise ValueError(f"{type(drafter).__name__} adds rows to the verify pass; rounds_at cannot keep "
+                             "their state through forced chains")
+        n = tree.size
+        vout = drafter.verify_forward(state, tree)
+        if vout is None:
+            vout, logits, aux = _tree_pass(target, tree, cache, aux_kw)
+        else:
+            logits = vout.logits[0, :n]
+            aux = vout.aux_hidden[0, :n] if vout.aux_hidden is not None else None
+        result = verify(logits, tree, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                        generator=generator)
+        traces.append(RoundTrace(
+            anchor=q, tokens=tree.tokens.cpu(), parents=tree.parents.cpu(),
+            draft_probs=None if tree.draft_probs is None else tree.draft_probs.to("cpu", trace_dtype),
+            deterministic=bool(tree.deterministic),
+            target_logprobs=torch.log_softmax(logits.float(), -1).to("cpu", trace_dtype),  # [N, V]
+            path=list(result.path), rejected=list(result.rejected), bonus=int(result.bonus_token),
+            kept=len(result.path)))
+        if i + 1 == len(positions):
+            break  # nothing after the last chosen position is needed
+        # Keep the round's outcome while it agrees with the committed tokens, up to the next root.
+        emitted = result.accepted_tokens(tree)
+        agree = 0
+        while agree < len(emitted) and q + 1 + agree < T and emitted[agree] == tokens[q + 1 + agree]:
+            agree += 1
+        absorb(tree, result, logits, aux, result.path[: min(agree, positions[i + 1] - q)])
+    return traces
+
