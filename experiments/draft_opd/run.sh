@@ -35,16 +35,21 @@ BASE=$(record "$OUT/sft")
 #     Two random-anchor arms: `random` replays the committed continuation at random positions as all accepted
 #     (so it also drops the rejected positions and their reverse-KL term); `random_rounds` runs a real
 #     verification round of the rollout drafter at as many random positions, so only the placement differs.
+#     Those extra rounds make its phases dearer, so in $MIN minutes it takes fewer optimiser steps; the arm
+#     `random_rounds_steps` (not in the default list) trains it for the Draft-OPD arm's step count instead
+#     (OPD_STEPS, default 33: what that arm made in 5 minutes), with the 5-minute arms' schedule length (one
+#     epoch of 1504 batches, as Lightning estimates it there), so both see the same prompts, phases and LRs.
 ALL_ABLATIONS="seed1 nodecay forward reverse random random_rounds sampled"
 declare -A ABL=([seed1]=seed=1 [nodecay]=method.module.objective.gamma=1.0 [forward]=method.module.objective.divergence=forward
                 [reverse]=method.module.objective.divergence=reverse [random]=method.module.anchors=random
-                [random_rounds]=method.module.anchors=random_rounds [sampled]=method.module.objective.estimator=sampled)
+                [random_rounds]=method.module.anchors=random_rounds [sampled]=method.module.objective.estimator=sampled
+                [random_rounds_steps]="method.module.anchors=random_rounds trainer.max_steps=${OPD_STEPS:-33} +method.module.total_steps=1504 trainer.max_time=00:01:00:00")
 for arm in ${ABLATIONS-$ALL_ABLATIONS}; do
   [ -f "$OUT/opd_$arm/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init_draft="$BASE" \
       "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
       method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
       method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" "${FP32[@]}" \
-      "${ABL[$arm]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/opd_$arm"
+      ${ABL[$arm]} eval.enabled=false logger=csv hydra.run.dir="$OUT/opd_$arm"  # unquoted: one or more overrides
 done
 
 # 3. Continued SFT for $MIN minutes on the supervised data (its features are already cached; SFT_MORE=0 skips).
