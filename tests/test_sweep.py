@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -38,21 +40,64 @@ def sweep(tmp_path_factory, shared_data):
     return tmp, first
 
 
+# The sweep's three axes, as config paths, and the values the command line gives each.
+SWEPT = {"method.module.ttt_length": (1, 2), "eval.temperature": (0, 0.7), "method.drafter.total_tokens": (4, 8)}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _answers(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def test_every_job_trains_or_reuses_once_and_writes_a_record(sweep):
     _, first = sweep
-    records = _records(first)
+    jobs = sorted((p for p in first.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    records = [json.loads((job / "record.json").read_text()) for job in jobs]
     assert len(records) == 8
-    # Two TTT lengths -> two trained drafts; the other six jobs reuse them.
+    # The jobs' configs differ in the swept settings and nowhere else (job directories aside), and together
+    # they hold each combination once.
+    configs = [{k: v.replace(str(job), "<job>") if isinstance(v, str) else v for k, v in _flat(r["config"]).items()}
+               for job, r in zip(jobs, records)]
+    varying = {k for k in set().union(*configs) if len({json.dumps(c.get(k)) for c in configs}) > 1}
+    assert varying == set(SWEPT)
+    assert sorted(tuple(c[k] for k in SWEPT) for c in configs) == sorted(itertools.product(*SWEPT.values()))
+    # Two TTT lengths -> two trained drafts; the other six jobs reuse the one trained with their length.
     trained = [r for r in records if not r["train"]["reused"]]
     assert sorted(r["config"]["method"]["module"]["ttt_length"] for r in trained) == [1, 2]
-    assert sorted(r["eval"]["axes"]["ttt_length"] for r in trained) == [1, 2]
-    assert len({r["artifacts"]["train_key"] for r in records}) == 2
+    keys = {}
     for r in records:
+        keys.setdefault(r["config"]["method"]["module"]["ttt_length"], set()).add(
+            (r["artifacts"]["train_key"], r["draft"]["sha256"]))
+    assert all(len(k) == 1 for k in keys.values()) and keys[1] != keys[2]
+    for job, r, c in zip(jobs, records, configs):
         assert r["schema"] == "draftlab.record/1" and r["kind"] == "train"
-        assert r["eval"]["columns"]["AVG"]["tau"] >= 1.0
         assert r["git"]["commit"] and r["hardware"]["cpu_count"]
-        if r["eval"]["temperature"] == 0:
-            assert r["eval"]["mismatches_vs_ar"] == 0  # lossless at T=0
+        e = r["eval"]
+        # The job evaluated with its own settings ...
+        assert e["temperature"] == c["eval.temperature"] and e["axes"]["nodes"] == c["method.drafter.total_tokens"]
+        assert e["axes"]["ttt_length"] == c["method.module.ttt_length"]
+        # ... into its own answer files, from which its tau and accept-length histogram are recomputed: the
+        # mean of the pooled per-round accept lengths (bonus included), as Spec-Bench's speed.py defines it.
+        files = e["answer_files"]
+        assert {Path(f).parent for f in files.values()} == {job / "answers"}
+        method, base = _answers(files["eagle3"]), _answers(files["baseline"])
+        lengths = [a for ans in method for a in ans["choices"][0]["accept_lengths"]]
+        assert e["columns"]["AVG"]["tau"] == pytest.approx(sum(lengths) / len(lengths), rel=1e-12)
+        assert e["accept_lengths"] == {str(k): v for k, v in sorted(Counter(lengths).items())}
+        for ans in method + base:  # each turn: the prefill's token plus what its rounds committed
+            ch = ans["choices"][0]
+            assert sum(ch["accept_lengths"]) == sum(ch["new_tokens"]) - len(ch["turns"])
+            assert len(ch["accept_lengths"]) == sum(ch["decoding_steps"])
+        assert all(a == 1 for ans in base for a in ans["choices"][0]["accept_lengths"])  # vanilla decoding
+        if e["temperature"] == 0:  # lossless at T=0: the same text as the AR baseline, question by question
+            assert e["mismatches_vs_ar"] == 0
+            assert [a["choices"][0]["turns"] for a in method] == [a["choices"][0]["turns"] for a in base]
 
 
 def test_each_job_is_its_own_wandb_run_grouped_by_sweep(sweep):

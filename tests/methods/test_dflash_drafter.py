@@ -6,14 +6,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 from draftlab.decoding.drafter import DecodeState
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
+from draftlab.decoding.sampling import logits_to_probs
 from draftlab.methods.dflash import DFlashDrafter, build_draft
 from draftlab.methods.dflash.blocks import block_logits, block_loss, make_blocks
 from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT, train_sequences
 
 BS = 4
+N_DRAWS = 200  # draws of the sampled block from one state: ~3 s on one core
 
 
 def _aux(target, draft, ids):
@@ -115,16 +118,58 @@ def test_inference_block_equals_the_training_block(tiny_target, trained):
     assert (picked > 0).all()  # each proposal was drawn from the row reported for it
 
 
-def test_sampled_decoding_runs_and_argmax_mode_is_deterministic(tiny_target, trained):
-    cfg = GenerationConfig(max_new_tokens=24, temperature=0.8, seed=1, stop_on_eos=False)
-    out, stats = speculative_generate(tiny_target, TRAIN_PROMPTS[0], DFlashDrafter(trained.draft), cfg)
-    again, _ = speculative_generate(tiny_target, TRAIN_PROMPTS[0], DFlashDrafter(trained.draft), cfg)
-    assert len(out) == 24 and out == again
-    state = _state(tiny_target, trained.draft, trained.seqs[0], 20, temperature=0.8)
-    drafter = DFlashDrafter(trained.draft, sampling="argmax", block_size=3)
+def test_sampled_chain_draws_from_the_q_it_reports_and_argmax_mode_takes_its_mode(tiny_target, trained):
+    draft, seq = trained.draft, trained.seqs[0]
+    anchor, t, top_k, top_p = 20, 1.5, 12, 0.95
+    # The block's logits through the training path, independent of the drafter's own block pass.
+    ids = torch.tensor([seq])
+    ones = torch.ones_like(ids)
+    blocks = make_blocks(ids, ones, ones, block_size=BS, mask_token_id=draft.config.mask_token_id,
+                         anchors=torch.tensor([[anchor]]))
+    with torch.no_grad():
+        logits = block_logits(draft, _aux(tiny_target, draft, ids), blocks)[0, 0]  # [BS-1, V]
+    q = logits_to_probs(logits, t, top_k, top_p)  # [BS-1, V]
+
+    state = _state(tiny_target, draft, seq, anchor, temperature=t)
+    state.top_k, state.top_p = top_k, top_p
+    greedy = DFlashDrafter(draft, sampling="argmax")
+    greedy.reset(state)
+    tree = greedy.propose(state)
+    assert tree.deterministic and tree.draft_probs is None
+    assert tree.tokens[1:].tolist() == logits.argmax(-1).tolist()
+
+    drafter = DFlashDrafter(draft)  # sampling="sample", tree: fixed
     drafter.reset(state)
-    tree = drafter.propose(state)
-    assert tree.deterministic and tree.size == 3
+    draws = []
+    for seed in range(N_DRAWS):
+        state.generator = torch.Generator().manual_seed(seed)
+        tree = drafter.propose(state)
+        if seed == 0:
+            assert not tree.deterministic and tree.parents.tolist() == [-1, 0, 1, 2]
+            # Each row is the sampling distribution of its slot, at the target's temperature, top-k and top-p.
+            torch.testing.assert_close(tree.draft_probs[1:].float(), q, atol=1e-5, rtol=0)
+        draws.append(tree.tokens[1:])
+    state.generator = torch.Generator().manual_seed(0)
+    assert torch.equal(drafter.propose(state).tokens[1:], draws[0])  # a seed fixes the draw
+    draws = torch.stack(draws)  # [N_DRAWS, BS-1]
+    assert bool((q.gather(1, draws.T) > 0).all()), "a drawn token has q(x) = 0"
+    # Every slot's token frequencies match its reported q: one chi-square over all slots' bins, one degree of
+    # freedom lost per slot. A bin is a token expecting >= 5 draws; the slot's other tokens form one more bin,
+    # or join the smallest one when together they expect fewer than 5 (a tiny expectation would dominate).
+    obs, exp = [], []
+    for slot in range(BS - 1):
+        counts = torch.bincount(draws[:, slot], minlength=q.shape[1]).double()  # [V]
+        e = N_DRAWS * q[slot].double() / q[slot].double().sum()  # [V]
+        big = e >= 5
+        o_s, e_s = counts[big].tolist(), e[big].tolist()
+        rest_o, rest_e = float(counts[~big].sum()), float(e[~big].sum())
+        if rest_e >= 5:
+            o_s, e_s = o_s + [rest_o], e_s + [rest_e]
+        elif o_s:
+            o_s[-1], e_s[-1] = o_s[-1] + rest_o, e_s[-1] + rest_e
+        obs, exp = obs + o_s, exp + e_s
+    p = chisquare(obs, exp, ddof=BS - 2).pvalue
+    assert p > 1e-4, f"draws do not follow the reported q: p = {p:.2e}"
 
 
 def test_rejects_a_block_longer_than_trained(trained):
