@@ -25,8 +25,11 @@ rows)`` tells the budget, for the coming round, the tokens that proposal is expe
 rows it adds. They enter ``E`` and ``V`` of every size, so a confident companion leaves fewer nodes worth
 their rows (the marginal node must beat a higher average rate).
 
-Sizing only chooses which proposals get verified; the verifier and its acceptance rule are untouched, so
-greedy outputs stay equal to AR and sampling keeps the target distribution.
+Sizing only chooses which proposals get verified; the verifier and its acceptance rule are untouched. That
+keeps greedy outputs equal to AR, and keeps sampling exact under the rule of ``decoding.drafter``: for
+deterministic candidates (top-k trees, lookups) any choice made without the verifier's coins is exact;
+for sampled proposals the scores handed to ``choose`` must be functions of the draft distributions only,
+never of the tokens drawn from them (``methods.dflash.drafter`` says why and how).
 """
 
 from __future__ import annotations

@@ -26,6 +26,29 @@ explicitly to inherit those defaults, so the engine never probes a drafter for o
 - ``sequence_stats()`` once per sequence at the end: a flat ``{name: number}`` of what the drafter did
   (SpecBound's exit depths), kept in ``DecodeStats.drafter_stats`` and in answer records. Default ``None``.
 
+What may decide the verified tree (the one rule every drafter keeps, whatever else it does): **what is
+verified may depend on the draft distribution, never on the sampled values, unless the drafter reports the
+distribution it actually induced.** The verifier's sampled rule (``decoding.verify``) needs each sampled
+node's token to be distributed as its reported ``draft_probs`` row given everything before it, including
+the fact that the node is in the tree. So, for a tree with ``deterministic=False``:
+
+- whether node i is proposed may depend on the state, on the draft distributions and on the tokens of
+  node i's ancestors (a chain's next slot is drafted given the previous token), but not on node i's own
+  token, nor on anything drawn together with it: cutting a sampled chain where the drawn tokens are
+  unlikely keeps likely draws and drops unlikely ones, and the kept token is then no longer ``q``-distributed
+  (DFlash's ``tree: auto`` decides its cut from the slots' distributions before drawing them);
+- the reported row is the distribution the token was drawn from, at the sampling settings it was drawn
+  with (temperature, top-k, top-p), aligned with its node after any cut.
+
+How the shipped drafters keep it: SpecBound's exit rule reads the head's confidence (a function of its
+distribution) before the token is drawn, and the next token is drafted given the previous one (an
+ancestor); SparseSpec-L's controller decides whether to draft another token from the entropy of the last
+distribution, not from the token drawn; DFlash sizes its block before drawing. Deterministic trees
+(EAGLE-3, ConFu, lookups, the hybrid, argmax chains) are verified by the deterministic-candidate rule,
+which is exact for any candidate set chosen without the verifier's coins. ``tests/decoding/conformance``
+checks the rule statistically for every method config (``check_first_round_law``) and kills drafters that
+break it (``test_drafter_mutants.py``).
+
 How every method on the roadmap fits:
 
 - **EAGLE-3 (feature drafters, dynamic trees).** ``aux_layers`` names the draft's three taps: the engine

@@ -63,6 +63,17 @@ def sequences(target) -> list[list[int]]:
     return _SEQS[id(target)]
 
 
+# The powered sampling check (``checks.check_first_round_law``): a temperature at which tiny_random's top token
+# holds ~0.4 of the mass on average, and a prompt from the drafts' training corpus (the corpus prompt plus
+# four of the target's own tokens), where a trained draft's first slot has its best chance to be accepted.
+FIRST_ROUND_T = 0.3
+FIRST_ROUND_TRIALS = 300
+
+
+def first_round_prompt(target) -> list[int]:
+    return sequences(target)[1][: len(TRAIN_PROMPTS[1]) + 4]
+
+
 def vocab_for(spec: MethodSpec, target, seqs: list[list[int]]):
     if spec.draft_vocab_size is None:
         return None

@@ -13,6 +13,14 @@ proposes the B-1 block slots as a chain, exactly as the draft was trained (``blo
   Slots are drawn independently (the draft conditions on masks, not on earlier draws), which the
   min(1, p/q) rule allows: each draw is distributed as its reported q given everything before it.
 
+With ``tree: auto`` the round verifies a prefix of the block, sized by ``decoding.budget``. The length is
+decided from the slots' distributions BEFORE any slot is drawn, never from the drawn tokens: at T > 0 a
+slot is scored by ``sum_x q(x)^2``, the chance that its draw lands on a token as likely as a second draw
+would (the mean of ``q`` at the drawn token). Scoring by the probability of the token actually drawn
+would keep likely draws and drop unlikely ones, so a kept slot's token would no longer be distributed as
+its reported q and the verifier would over-emit the draft's favourite tokens (with p = (0.5, 0.5),
+q = (0.9, 0.1) and a cost curve that keeps only a likely draw, the first token comes out 0.55 / 0.45).
+
 ``update`` appends the context K/V of the rows the engine kept (``out.accepted_aux``: the root and the
 accepted nodes; the bonus token is next round's root), so a round costs one block pass plus a
 projection of the new rows, and no draft state is ever rolled back.
@@ -22,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.decoding.budget import tree_budget
+from draftlab.decoding.budget import TreeBudget, tree_budget
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.sampling import logits_to_probs, sample
 from draftlab.decoding.tree import DraftTree
@@ -69,8 +77,9 @@ class DFlashDrafter(Drafter):
                 larger is not: the draft never saw slots past its block).
     sampling    ``"sample"`` (draft-probability chain at T > 0) or ``"argmax"`` (deterministic chain).
     tree        ``fixed``: the whole block every round; ``auto``: the chain's prefix with the most expected
-                tokens per second (``decoding.budget``), scored by the cumulative draft probability of its
-                tokens. The cut depends only on the draft's own probabilities, so verification stays exact.
+                tokens per second (``decoding.budget``), scored by the cumulative product of the slots'
+                scores (argmax: the argmax's probability; sampled: ``sum q^2``). The cut is decided before
+                any slot is drawn (see the module docstring), so verification stays exact.
     One drafter serves one sequence at a time: ``reset`` starts the context afresh.
     """
 
@@ -160,20 +169,12 @@ class DFlashDrafter(Drafter):
             self.budget.context = n  # the verify pass attends over all of them
         block = self.budget.timed(self._block_logits) if self.budget is not None else self._block_logits
         logits = block((ids, positions))  # [bs-1, V]
-        if state.temperature == 0 or self.sampling == "argmax":
-            tokens, probs = logits.argmax(-1), None  # [bs-1]
-            chosen = logits.float().softmax(-1).max(-1).values if self.budget is not None else None  # [bs-1]
-        else:
-            probs = logits_to_probs(logits, state.temperature, state.top_k, state.top_p)  # [bs-1, V]
-            gen = state.generator
-            if gen is not None and gen.device != probs.device:
-                probs = probs.to(gen.device)
-            tokens = sample(probs, gen)  # [bs-1]
-            chosen = probs.gather(-1, tokens[:, None])[:, 0] if self.budget is not None else None  # [bs-1]
-        if self.budget is not None:  # keep the prefix that pays: path probability = cumulative product
-            keep = self.budget.choose(chosen.double().cumprod(0).cpu(), 0)
-            tokens, probs = tokens[:keep], None if probs is None or keep == 0 else probs[:keep]
+        tokens, probs = self._draw_chain(logits, state)
         return DraftTree.chain(state.root, tokens.cpu(), draft_probs=probs)
+
+    def _draw_chain(self, logits: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return draw_block(logits, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
+                          generator=state.generator, sampling=self.sampling, budget=self.budget)
 
     def _block_logits(self, inputs) -> torch.Tensor:
         ids, positions = inputs
@@ -187,3 +188,29 @@ class DFlashDrafter(Drafter):
             self.budget.observe(len(out.result.path) - 1)
         if out.accepted_aux is not None:
             self._append(out.accepted_aux)
+
+
+def draw_block(logits: torch.Tensor, *, temperature: float, top_k: int | None = None, top_p: float | None = None,
+               generator: torch.Generator | None = None, sampling: str = "sample", budget: TreeBudget | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A round's proposals from a block's slot logits ``[bs-1, V]``: tokens ``[k]`` and, when drawn, the
+    distributions they were drawn from ``[k, V]`` (None for an argmax chain). ``k`` is the whole block, or
+    with a ``budget`` the prefix it keeps, decided before any slot is drawn (the module docstring says why)."""
+    if temperature == 0 or sampling == "argmax":
+        if budget is not None:
+            logits = logits[: _keep(budget, logits.float().softmax(-1).max(-1).values)]  # scored by the argmax's q
+        return logits.argmax(-1), None  # [k]
+    probs = logits_to_probs(logits, temperature, top_k, top_p)  # [bs-1, V]
+    if budget is not None:
+        # Scored by E_{x~q}[q(x)] = sum q^2: a function of q alone, never of the token drawn.
+        probs = probs[: _keep(budget, (probs.double() ** 2).sum(-1))]  # [k, V]
+    if probs.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long), None
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)
+    return sample(probs, generator), probs  # [k], [k, V]
+
+
+def _keep(budget: TreeBudget, slot_scores: torch.Tensor) -> int:
+    """Slots to verify from per-slot scores ``[bs-1]``: a prefix's path probability is their cumulative product."""
+    return budget.choose(slot_scores.double().cumprod(0).cpu(), 0)

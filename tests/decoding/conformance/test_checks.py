@@ -1,0 +1,48 @@
+"""The powered check's p-value is what it claims: uniform under the null, small under a bias of the size
+a drafting slip causes (numpy only: no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+from tests.decoding.conformance.checks import first_round_p_value
+
+TRIALS, REPLICATES, NULL = 300, 200, 1_000
+
+
+def _laws(rng) -> np.ndarray:
+    # Per trial, a law over 6 rank bins shaped like tiny_random's at T = 0.3 (the top bin ~0.4), two tokens.
+    one = rng.dirichlet([8, 4, 3, 3, 2, 2], size=TRIALS)  # [n, 6]
+    return np.concatenate([one, rng.dirichlet([8, 4, 3, 3, 2, 2], size=TRIALS)], -1)  # [n, 12]
+
+
+def _draw(rng, laws: np.ndarray, shift: float = 0.0) -> np.ndarray:
+    """Each trial's two bins, drawn from its laws with ``shift`` of the mass moved from the other bins to bin 0."""
+    out = np.empty((len(laws), 2), dtype=np.int64)
+    for j in range(2):
+        law = laws[:, 6 * j:6 * (j + 1)] * (1 - shift)
+        law[:, 0] += shift
+        u = rng.random((len(laws), 1))
+        out[:, j] = (u >= np.cumsum(law, -1)[:, :-1]).sum(-1)
+    return out
+
+
+def test_p_values_are_uniform_for_an_exact_sampler():
+    rng = np.random.default_rng(0)
+    ps = []
+    for _ in range(REPLICATES):
+        laws = _laws(rng)
+        ps.append(first_round_p_value(laws, _draw(rng, laws), samples=NULL, seed=int(rng.integers(1 << 31)))[0])
+    ps = np.array(ps)
+    # The Bonferroni factor 2 makes the p-value conservative (never anti-conservative): P(p <= a) <= a.
+    for a in (0.05, 0.2, 0.5):
+        assert (ps <= a).mean() <= scipy_stats.binom.ppf(1 - 1e-4, REPLICATES, a) / REPLICATES, (a, (ps <= a).mean())
+    assert (ps <= 0.5).mean() > 0.2, "the p-value is far too conservative to have power"
+
+
+def test_a_small_shift_to_the_top_bin_is_seen():
+    rng = np.random.default_rng(1)
+    laws = _laws(rng)
+    p, stats = first_round_p_value(laws, _draw(rng, laws, shift=0.25), samples=20_000)
+    assert p < 1e-3, stats
