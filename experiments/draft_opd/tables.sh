@@ -36,3 +36,17 @@ if [ -f "$L/eval_start.json" ]; then
         $L/${p}_opd.json --name "Draft-OPD, 45 min" --layout table4 --cell joint --out "$HERE/table_recipe_45min_${set##*:}.md"
   done
 fi
+# Anchor placement alone (records/anchors/): a new start (run.sh step 1, re-trained), then Draft-OPD, the `random`
+# ablation and `random_rounds` (5 minutes each), and `random_rounds` for the Draft-OPD arm's 33 steps.
+A=$HERE/records/anchors
+if [ -f "$A/eval_opd.json" ]; then
+  for set in eval:specbench gsm8k:gsm8k; do
+    p=${set%%:*}
+    args=()
+    for arm in "sft:SFT (start)" "opd:Draft-OPD (error anchors)" "opd_random:random anchors (committed, all accepted)" \
+               "opd_random_rounds:random verify rounds, 5 min" "opd_random_rounds_steps:random verify rounds, 33 steps"; do
+      [ -f "$A/${p}_${arm%%:*}.json" ] && args+=("$A/${p}_${arm%%:*}.json" --name "${arm#*:}")
+    done
+    draftlab-table "${args[@]}" --layout table4 --cell joint --out "$HERE/table_anchors_${set##*:}.md"
+  done
+fi
