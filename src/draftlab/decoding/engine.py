@@ -98,10 +98,12 @@ class DecodeStats:
                 "tokens_per_second": self.tokens_per_second, "drafter_stats": self.drafter_stats}
 
 
-def _generator(cfg: GenerationConfig) -> torch.Generator | None:
+def _generator(cfg: GenerationConfig, device: torch.device) -> torch.Generator | None:
+    # On the target's device: the verifier draws its coins and bonus tokens where the logits are, and a
+    # generator on another device is refused there (a CPU generator with CUDA logits raises).
     if cfg.temperature == 0 or cfg.seed is None:
         return None
-    return torch.Generator().manual_seed(cfg.seed)
+    return torch.Generator(device=device).manual_seed(cfg.seed)
 
 
 def _mass(out, rows: int | None) -> torch.Tensor | None:
@@ -192,7 +194,7 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
     eos = set(target.eos_token_ids)
     stats = DecodeStats(trace=[] if trace else None)
     t_start = time.perf_counter()
-    gen = _generator(cfg)
+    gen = _generator(cfg, target.device)
     taps = drafter.aux_layers(target)
     # Targets without aux support (stubs) never see the keywords unless a drafter asks for aux states.
     aux_kw = {"return_aux": True, "aux_layer_ids": list(taps)} if taps else {}
@@ -273,7 +275,7 @@ def autoregressive_generate(target, prompt_ids: list[int], cfg: GenerationConfig
     eos = set(target.eos_token_ids)
     stats = DecodeStats()
     t_start = time.perf_counter()
-    gen = _generator(cfg)
+    gen = _generator(cfg, target.device)
     cache, out = _prefill(target, prompt_ids, cfg, cfg.max_tree_rows, {})
     tok = int(sample(logits_to_probs(out.logits[0, -1], cfg.temperature, cfg.top_k, cfg.top_p), gen))
     stats.prefill_time = time.perf_counter() - t_start

@@ -32,7 +32,7 @@ def load_target(source: str, *, backend: str = "hf", dtype: str = "float32", dev
     if source == "tiny_random":
         from draftlab.targets.tiny import tiny_random_target
 
-        return tiny_random_target(dtype=dtype, **common, **kwargs)
+        return tiny_random_target(dtype=dtype, device=device, **common, **kwargs)
     if source.startswith("asset:"):
         from draftlab.assets import fetch
 

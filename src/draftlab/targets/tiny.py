@@ -13,7 +13,7 @@ from draftlab.targets.hf import HFTarget, resolve_dtype
 
 
 def tiny_random_target(*, num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
-                       intermediate_size: int = 128, seed: int = 0, dtype: str = "float32",
+                       intermediate_size: int = 128, seed: int = 0, dtype: str = "float32", device: str = "cpu",
                        tokenizer_asset: str = "smollm2-135m-instruct", **kwargs) -> HFTarget:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -28,5 +28,5 @@ def tiny_random_target(*, num_layers: int = 2, hidden_size: int = 64, num_heads:
     cfg.initializer_range = 0.2
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg).to(resolve_dtype(dtype))
-    return HFTarget(model, tok, name="tiny_random", **kwargs)
+        model = LlamaForCausalLM(cfg).to(resolve_dtype(dtype))  # initialised on the CPU: the same weights anywhere
+    return HFTarget(model.to(device), tok, name="tiny_random", **kwargs)
