@@ -135,7 +135,7 @@ def _stop_index(tokens: list[int], eos: set[int], budget: int, stop_on_eos: bool
     return n
 
 
-def _verify_inputs(target, tree: DraftTree, extra: ExtraRows | None, past: int):
+def verify_inputs(target, tree: DraftTree, extra: ExtraRows | None, past: int):
     """(input ids or None, input embeds or None, positions [rows], mask [rows, past + rows]) of a verify pass."""
     device = target.device
     n = tree.size
@@ -171,7 +171,7 @@ def _extra_output(vout, extra: ExtraRows, n: int) -> ExtraOutput:
                        hidden=vout.last_hidden[0, n:] if extra.want_hidden else None)  # [R, d]
 
 
-def _round_trace(anchor: int, tree: DraftTree, logits: torch.Tensor, result: VerifyResult, kept: int,
+def round_trace(anchor: int, tree: DraftTree, logits: torch.Tensor, result: VerifyResult, kept: int,
                  dtype: torch.dtype) -> RoundTrace:
     return RoundTrace(anchor=anchor, tokens=tree.tokens.cpu(), parents=tree.parents.cpu(),
                       draft_probs=None if tree.draft_probs is None else tree.draft_probs.to("cpu", dtype),
@@ -223,7 +223,7 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
                                "scratch rows reserved: declare them in Drafter.verify_rows or raise "
                                "GenerationConfig.max_tree_rows")
         past = cache.length
-        ids, embeds, pos, mask = _verify_inputs(target, tree, extra, past)
+        ids, embeds, pos, mask = verify_inputs(target, tree, extra, past)
         kw = dict(aux_kw)
         if extra is not None and not extra.want_logits:
             kw["logits_rows"] = torch.arange(n, device=target.device)  # no LM head over the extra rows
@@ -255,7 +255,7 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
                                            kept=kept, attn_mass=state.attn_mass))
         t3 = time.perf_counter()
         if trace:
-            stats.trace.append(_round_trace(past, tree, logits, result, kept, trace_dtype))
+            stats.trace.append(round_trace(past, tree, logits, result, kept, trace_dtype))
         stats.accept_lengths.append(kept)
         # Drafting = proposing this round's tree + absorbing its outcome (a draft pass over accepted rows).
         stats.draft_times.append((t1 - t0) + (t3 - t2))

@@ -86,10 +86,16 @@ class CutOnSampledProbability(InformedBlock):
     def _draw_chain(self, logits, state):
         if self.budget is None or state.temperature == 0:
             return super()._draw_chain(logits, state)
-        probs = logits_to_probs(logits, state.temperature, state.top_k, state.top_p)  # [bs-1, V]
-        tokens = sample(probs, state.generator)  # [bs-1]
-        keep = self.budget.choose(probs.gather(-1, tokens[:, None])[:, 0].double().cumprod(0), 0)
-        return tokens[:keep], None if keep == 0 else probs[:keep]
+        return _old_draw_block(logits, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
+                               generator=state.generator, budget=self.budget)
+
+
+def _old_draw_block(logits, *, temperature, generator, budget, top_k=None, top_p=None, **_):
+    # The cut as it was: scored by the probability of the tokens drawn.
+    probs = logits_to_probs(logits, temperature, top_k, top_p)  # [bs-1, V]
+    tokens = sample(probs, generator)  # [bs-1]
+    keep = budget.choose(probs.gather(-1, tokens[:, None])[:, 0].double().cumprod(0), 0)
+    return tokens[:keep], None if keep == 0 else probs[:keep]
 
 
 class UntemperedQ(InformedBlock):
@@ -196,14 +202,6 @@ ROUNDS = 20_000
 # sampler fails with probability at most this (by the definition of a p-value), and the biased cut below
 # (0.549 instead of 0.5 over 20k rounds, z ~ 14) falls 30 orders of magnitude beyond it.
 P_BINOMIAL = 1e-6
-
-
-def _old_draw_block(logits, *, temperature, generator, budget, **_):
-    # The cut as it was: scored by the probability of the tokens drawn.
-    probs = logits_to_probs(logits, temperature)  # [k, V]
-    tokens = sample(probs, generator)  # [k]
-    keep = budget.choose(probs.gather(-1, tokens[:, None])[:, 0].double().cumprod(0), 0)
-    return tokens[:keep], None if keep == 0 else probs[:keep]
 
 
 def _first_token_frequency(draw) -> tuple[float, float]:

@@ -205,7 +205,7 @@ def draw_block(logits: torch.Tensor, *, temperature: float, top_k: int | None = 
         # Scored by E_{x~q}[q(x)] = sum q^2: a function of q alone, never of the token drawn.
         probs = probs[: _keep(budget, (probs.double() ** 2).sum(-1))]  # [k, V]
     if probs.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.long), None
+        return torch.zeros(0, dtype=torch.long, device=logits.device), None
     if generator is not None and generator.device != probs.device:
         probs = probs.to(generator.device)
     return sample(probs, generator), probs  # [k], [k, V]

@@ -150,7 +150,8 @@ class DraftOPDModule(L.LightningModule):
         # At T > 0 the rounds draw their verification outcomes; their generator follows the positions' one,
         # so a phase recomputed after a resume draws the same.
         sampling = (None if self.generation.temperature == 0
-                    else torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen))))
+                    else torch.Generator(device=self.target.device).manual_seed(
+                        int(torch.randint(0, 2**62, (1,), generator=gen))))  # verify draws where the logits are
         was_training = self.draft.training
         device = next(self.draft.parameters()).device
         try:

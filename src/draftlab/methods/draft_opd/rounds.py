@@ -32,20 +32,17 @@ from __future__ import annotations
 import torch
 
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
-from draftlab.decoding.engine import GenerationConfig, RoundTrace
-from draftlab.decoding.tree import DraftTree, ancestor_mask
+from draftlab.decoding.engine import GenerationConfig, RoundTrace, round_trace, verify_inputs
+from draftlab.decoding.tree import DraftTree
 from draftlab.decoding.verify import VerifyResult, verify
 
 
 def _tree_pass(target, tree: DraftTree, cache, aux_kw: dict):
-    """One verify pass of ``tree`` over the committed cache: (output, logits [N, V], aux [N, .] or None)."""
-    device = target.device
-    past = cache.length
+    """One verify pass of ``tree`` over the committed cache (the engine's inputs): (output, logits [N, V],
+    aux [N, .] or None)."""
+    ids, _, pos, mask = verify_inputs(target, tree, None, cache.length)
+    out = target.forward(ids, pos, cache, mask, **aux_kw)
     n = tree.size
-    pos = past + tree.depth.to(device)  # [N]
-    own = ancestor_mask(tree.parents).to(device)  # [N, N]
-    mask = torch.cat([own.new_ones(n, past), own], 1)  # [N, past + N]
-    out = target.forward(tree.tokens.to(device)[None], pos, cache, mask, **aux_kw)
     aux = out.aux_hidden[0, :n] if out.aux_hidden is not None else None
     return out, out.logits[0, :n], aux
 
@@ -125,13 +122,7 @@ def rounds_at(target, drafter: Drafter, tokens: list[int], prompt_len: int, posi
             aux = vout.aux_hidden[0, :n] if vout.aux_hidden is not None else None
         result = verify(logits, tree, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                         generator=generator)
-        traces.append(RoundTrace(
-            anchor=q, tokens=tree.tokens.cpu(), parents=tree.parents.cpu(),
-            draft_probs=None if tree.draft_probs is None else tree.draft_probs.to("cpu", trace_dtype),
-            deterministic=bool(tree.deterministic),
-            target_logprobs=torch.log_softmax(logits.float(), -1).to("cpu", trace_dtype),  # [N, V]
-            path=list(result.path), rejected=list(result.rejected), bonus=int(result.bonus_token),
-            kept=len(result.path)))
+        traces.append(round_trace(q, tree, logits, result, len(result.path), trace_dtype))
         if i + 1 == len(positions):
             break  # nothing after the last chosen position is needed
         # Keep the round's outcome while it agrees with the committed tokens, up to the next root.
