@@ -49,11 +49,18 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+# Where the tiny target lives, and a local tokenizer directory for machines that cannot fetch the asset: the
+# GPU check (experiments/gpu_check) runs the conformance suite with DRAFTLAB_TEST_DEVICE=cuda.
+TEST_DEVICE = os.environ.get("DRAFTLAB_TEST_DEVICE", "cpu")
+TEST_TOKENIZER = os.environ.get("DRAFTLAB_TEST_TOKENIZER") or None
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     from draftlab.targets import load_target
 
-    return load_target("tiny_random")
+    extra = {"tokenizer": TEST_TOKENIZER} if TEST_TOKENIZER else {}
+    return load_target("tiny_random", device=TEST_DEVICE, **extra)
 
 
 @pytest.fixture(scope="session")

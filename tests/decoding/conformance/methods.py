@@ -81,6 +81,17 @@ def vocab_for(spec: MethodSpec, target, seqs: list[list[int]]):
     return build_vocab_mapping(freq, spec.draft_vocab_size)
 
 
+def on_device(batch, device):
+    """A batch's tensors on ``device``, as Lightning hands them to ``training_step`` (nested containers too)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: on_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(on_device(v, device) for v in batch)
+    return batch
+
+
 def quick_train(spec: MethodSpec, target, *, steps: int = TRAIN_STEPS, lr: float = TRAIN_LR):
     """A draft built from the config and trained ``steps`` optimizer steps (Adam) by the method's module.
 
@@ -113,7 +124,7 @@ def quick_train(spec: MethodSpec, target, *, steps: int = TRAIN_STEPS, lr: float
             step = 0
             while step < steps:
                 for batch in dm.train_dataloader():
-                    loss = module.training_step(batch, step)
+                    loss = module.training_step(on_device(batch, target.device), step)
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
@@ -151,7 +162,7 @@ def first_losses(spec: MethodSpec, target, *, steps: int = 4, lr: float = 1e-3) 
             draft.train()
             while len(losses) < steps:
                 for batch in dm.train_dataloader():
-                    loss = module.training_step(batch, len(losses))
+                    loss = module.training_step(on_device(batch, target.device), len(losses))
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
