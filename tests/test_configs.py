@@ -157,3 +157,46 @@ def test_axes_on_training_settings_come_from_the_trained_draft(tmp_path):
     (tmp_path / "train_config.json").write_text('{"seed": 0}')
     with pytest.raises(ValueError, match="train_config.json.*'method'"):
         trained_method_config(tmp_path / "draft")
+
+
+@pytest.mark.parametrize(("name", "start_method"), [("ddp", "popen"), ("ddp_spawn", "spawn")])
+def test_ddp_trainers_do_not_broadcast_buffers(name, start_method, tmp_path):
+    # The modules' constant buffers (the target's LM head) would be broadcast from rank 0 before every step.
+    cfg = _compose([f"trainer={name}", "trainer.accelerator=cpu"], tmp_path)
+    trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False)
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert isinstance(trainer.strategy, DDPStrategy) and trainer.num_devices == 2
+    assert trainer.strategy._ddp_kwargs == {"broadcast_buffers": False}
+    assert trainer.strategy._start_method == start_method
+
+
+def _slurm_launcher(cfg: DictConfig) -> DictConfig:
+    """conf/hydra/launcher/slurm.yaml resolved against ``cfg`` without the submitit plugin (its own defaults)."""
+    node = OmegaConf.load(CONF / "hydra" / "launcher" / "slurm.yaml")
+    del node["defaults"]
+    OmegaConf.set_struct(cfg, False)
+    merged = OmegaConf.merge(cfg, {"slurm_launcher": node})
+    OmegaConf.resolve(merged)
+    return merged.slurm_launcher
+
+
+@pytest.mark.parametrize(("overrides", "devices", "nodes"), [(["trainer=ddp", "trainer.devices=4"], 4, 1),
+                                                           (["trainer=ddp", "trainer.num_nodes=2"], 2, 2),
+                                                           ([], 1, 1)])
+def test_slurm_launcher_starts_one_task_per_trainer_device(overrides, devices, nodes, tmp_path):
+    # Lightning refuses a SLURM job whose tasks per node differ from trainer.devices.
+    launcher = _slurm_launcher(_compose(overrides, tmp_path))
+    assert launcher.tasks_per_node == launcher.gpus_per_node == devices and launcher.nodes == nodes
+
+
+def test_slurm_launcher_composes_with_the_plugin(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="hydra-submitit-launcher not installed "
+                        "(the [launchers] extra)")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name=PRIMARY, overrides=["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4",
+                                                      f"paths.output_dir={tmp_path}"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.tasks_per_node == launcher.gpus_per_node == cfg.trainer.devices == 4 and launcher.nodes == 1

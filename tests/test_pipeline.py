@@ -418,3 +418,22 @@ def test_without_validation_the_artifact_is_the_state_training_ended_in(tmp_path
     assert record["draft"]["step"] == final["global_step"] and record["draft"]["sha256"] == weights_sha256(draft)
     earlier = torch.load(kept[-1], map_location="cpu", weights_only=False)["state_dict"]["draft.fc.weight"]
     assert not torch.equal(draft.fc.weight, earlier)
+
+
+@pytest.mark.gpu
+def test_train_on_a_gpu_moves_a_cpu_target_there(tmp_path, monkeypatch, shared_data):
+    """trainer=gpu with target.device=cpu (the tiny target's): data and features on the CPU, then the training
+    module's target follows the draft to the GPU (TargetPlacement), and evaluation runs there."""
+    from draftlab.stages.pipeline import run_pipeline
+    from tests.conftest import TEST_TOKENIZER
+
+    _env(monkeypatch, tmp_path, shared_data)
+    # The questions and the tokenizer from local files: a GPU node may have no network for the assets.
+    local = ["bench.path=${paths.shared_data}/mt_bench/question.jsonl",
+             *([f"+target.tokenizer={TEST_TOKENIZER}"] if TEST_TOKENIZER else [])]
+    cfg = _compose([*BASE, f"paths.artifacts={tmp_path / 'artifacts'}", "trainer=gpu", "trainer.max_epochs=1",
+                    "trainer.precision=32-true", *local], tmp_path, "train")
+    record = run_pipeline(cfg, stage="train")
+    assert record["train"]["reused"] is False and record["train"]["history"]
+    assert record["eval"]["method"] and (tmp_path / "record.json").exists()
+    assert record["config"]["target"]["device"] == "cpu"

@@ -157,6 +157,8 @@ def test_fsdp_is_refused_on_cpu_by_lightning():
 @pytest.mark.parametrize("trainer_name", ["ddp", pytest.param("fsdp", marks=pytest.mark.gpu)])
 # ddp_spawn: same check, run by hand (costs a minute)
 def test_ddp_on_two_cpu_processes_keeps_ranks_in_sync(tmp_path, trainer_name):
+    """ddp: 2 gloo processes on the CPU. fsdp: one process per GPU, at most 2 (so it runs on a one-GPU machine),
+    with the target built on the CPU and moved to each rank's GPU by ``TargetPlacement``."""
     import json
     import subprocess
     import sys
@@ -164,13 +166,18 @@ def test_ddp_on_two_cpu_processes_keeps_ranks_in_sync(tmp_path, trainer_name):
 
     out = tmp_path / "sums.json"
     worker = Path(__file__).with_name("ddp_worker.py")
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    import os
+
+    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     accelerator = "gpu" if trainer_name == "fsdp" else "cpu"
-    proc = subprocess.run([sys.executable, str(worker), trainer_name, str(out), accelerator], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    devices = min(2, torch.cuda.device_count()) if accelerator == "gpu" else 2
+    proc = subprocess.run([sys.executable, str(worker), trainer_name, str(out), accelerator, str(devices)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["world_size"] == 2 and res["steps"] == 3
-    rank0, rank1 = res["ranks"]
-    assert rank0 == rank1, "draft weights differ across ranks"
-    assert rank0 != res["before"], "training did not change the weights"
+    assert res["world_size"] == devices and res["steps"] == 3
+    assert res["target_device"] == ("cuda:0" if accelerator == "gpu" else "cpu")
+    assert len(res["ranks"]) == devices and all(r == res["ranks"][0] for r in res["ranks"]), \
+        "draft weights differ across ranks"
+    assert res["ranks"][0] != res["before"], "training did not change the weights"

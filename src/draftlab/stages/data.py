@@ -19,6 +19,7 @@ from draftlab.data.regenerate import RegenConfig, RegenReport, load_regenerated,
 from draftlab.data.template import RenderedSample, RenderReport, render_conversations, require_chat_template
 from draftlab.data.vocab import VocabMapping, load_or_build_vocab_mapping, vocab_mapping_cache_key
 from draftlab.methods.registry import MethodSpec
+from draftlab.training import ranks
 from draftlab.utils.atomic import atomic_write_text
 from draftlab.utils.hashing import content_key
 from draftlab.utils.logging import get_logger
@@ -33,8 +34,15 @@ _CAPTURE_KEYS = ("aux_layer_ids", "layer_convention", "row_kernels")
 
 
 def target_identity(cfg: DictConfig) -> dict:
-    """The target config minus capture settings: what decides the tokens the target produces."""
+    """The target config minus capture settings: what decides the tokens the target produces.
+
+    The device enters by its type only: ``cuda:1`` computes what ``cuda:0`` and ``cuda`` do (so every rank of a
+    DDP job, and every job of a parallel sweep, shares one regeneration and one feature store), while a CPU and
+    a GPU do not produce identical numbers.
+    """
     ident = OmegaConf.to_container(cfg.target, resolve=True)
+    if ident.get("device") is not None:
+        ident["device"] = str(ident["device"]).split(":", 1)[0]
     return {k: v for k, v in ident.items() if k not in _CAPTURE_KEYS}
 
 
@@ -61,6 +69,12 @@ class DataStageResult:
 
 
 def run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
+    """The data stage; in a multi-process job rank 0 builds every product and the other ranks then load them."""
+    with ranks.main_first("data"):
+        return _run_data_stage(cfg, target)
+
+
+def _run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
     t0 = time.perf_counter()
     target = target if target is not None else instantiate(cfg.target)
     log.info("target %s: %s", getattr(target, "name", "?"), target.geometry)
@@ -81,8 +95,13 @@ def run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
         # One pool per (target, files, settings): a larger slice of the same files resumes a smaller one.
         pool_key = content_key(target_id, spec.pool_fingerprint(), key_cfg)
         regen_path = Path(cfg.paths.artifacts) / "regen" / pool_key / "regenerated.jsonl"
-        regen_report = regenerate(target, convs, regen_path, rcfg)
-        log.info("%s", regen_report)
+        if ranks.is_main():
+            regen_report = regenerate(target, convs, regen_path, rcfg)
+            log.info("%s", regen_report)
+        else:
+            # Only load: regenerate() would resume, i.e. retry rank 0's failures and go on past its max_batches,
+            # and this rank would train on other conversations than rank 0.
+            log.info("rank %d: loading rank 0's regenerated data", ranks.rank())
         log.info("regenerated data: %s", regen_path)
         convs = load_regenerated(regen_path, ids=[c.id for c in convs])
     samples, render_report = render_conversations(target.tokenizer, convs, max_length=spec.max_length,

@@ -18,13 +18,15 @@ from omegaconf import DictConfig
 
 from draftlab import tracking
 from draftlab.methods.registry import MethodSpec
+from draftlab.training import ranks
 from draftlab.utils.logging import get_logger
 
 log = get_logger(__name__)
 
 
-def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
-    """Run one job; returns its record (also written to ``<run dir>/record.json``)."""
+def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | None:
+    """Run one job; returns its record (also written to ``<run dir>/record.json``), or None on a rank other
+    than 0 of a multi-process job (which trains but neither evaluates nor records)."""
     from draftlab.stages.evaluate import eval_timing, evaluate
     from draftlab.stages.train import train_draft
 
@@ -36,8 +38,9 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
     identity = tracking.run_identity(cfg, ctx)
     loggers = tracking.make_loggers(cfg, identity)
     torch.manual_seed(cfg.seed)
+    ranks.begin_job(cfg.paths.artifacts, ctx.get("job_num"))
     try:
-        target = instantiate(cfg.target)
+        target = _build_target(cfg)
         spec = MethodSpec(cfg.method)
         artifacts: dict[str, Any] = {"draft": None, "data": None}
         metrics: dict[str, float] = {}
@@ -62,6 +65,10 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
                 metrics.update({k: v for k, v in result.best.items() if k.startswith("val/")})
                 metrics["train/seconds"] = result.train_seconds
                 metrics["train/reused"] = float(result.reused)
+        if not ranks.is_main():
+            log.info("rank %d: done; rank 0 evaluates and writes the record", ranks.rank())
+            return None
+        if spec.trainable:
             artifacts["draft"] = str(draft_dir)
             draft = spec.load(draft_dir, target)
             # Hashed as saved, before the cast to the target's dtype, so the hash names the artifact's weights.
@@ -84,7 +91,20 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any]:
         log.info("run record: %s", path)
         return record
     finally:
+        ranks.end_job()
         tracking.finish_wandb()
+
+
+def _build_target(cfg: DictConfig):
+    """The target on this process's device: ``cuda`` becomes ``cuda:<local rank>`` under several ranks, or the
+    job's GPU in a parallel local sweep (``ranks.local_device``)."""
+    device = cfg.target.get("device")
+    if device is None:
+        return instantiate(cfg.target)
+    placed = ranks.local_device(str(device))
+    if placed != str(device):
+        log.info("target on %s (target.device=%s, rank %d)", placed, device, ranks.rank())
+    return instantiate(cfg.target, device=placed)
 
 
 def _summarise_identity(loggers: list, git: dict[str, Any], draft_id: dict[str, Any]) -> None:

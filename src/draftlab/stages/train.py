@@ -26,6 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftlab.methods.registry import MethodSpec
 from draftlab.stages.data import target_identity
+from draftlab.training import ranks
+from draftlab.training.placement import TargetPlacement
 from draftlab.training.precision import resolve_precision
 from draftlab.utils.atomic import atomic_dir, atomic_write_text
 from draftlab.utils.hashing import content_key
@@ -159,36 +161,34 @@ def _callbacks(cfg: DictConfig, root: Path, monitor: str, has_val: bool) -> tupl
 
 
 def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> TrainResult:
-    """Train (or reuse / resume) the draft for ``cfg`` on the data stage's samples; save the best one."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    """Train (or reuse / resume) the draft for ``cfg`` on the data stage's samples; save the best one.
 
+    Under several ranks every rank trains; rank 0 alone extracts the offline features (first) and writes the
+    summary and the draft (last), the others wait for each and then read them.
+    """
     spec = MethodSpec(cfg.method)
     key = train_key(cfg, data.data_key)
     root = Path(cfg.paths.artifacts) / spec.name / key
     draft_dir = root / "draft"
     if draft_dir.is_dir() and (root / "train_summary.json").exists():  # whatever files the method's format holds
-        summary = json.loads((root / "train_summary.json").read_text())
         log.info("reusing trained draft %s (training skipped)", draft_dir)
-        return TrainResult(key, root, draft_dir, reused=True, history=summary.get("history", []),
-                           best=summary.get("best", {}), train_seconds=0.0)
+        return _finished(key, root, reused=True)
     root.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(root / "train_config.json", json.dumps(OmegaConf.to_container(cfg, resolve=True), indent=2,
-                                                             default=str))
+    if ranks.is_main():
+        atomic_write_text(root / "train_config.json", json.dumps(OmegaConf.to_container(cfg, resolve=True), indent=2,
+                                                                 default=str))
     t0 = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     draft = spec.build_draft(target, data.vocab)
-    features = spec.prepare_features(target=target, draft=draft, samples=data.samples, root=Path(cfg.paths.artifacts),
-                                     key=(target_identity(cfg), data.data_key))
+    with ranks.main_first("features"):
+        features = spec.prepare_features(target=target, draft=draft, samples=data.samples,
+                                         root=Path(cfg.paths.artifacts), key=(target_identity(cfg), data.data_key))
     dm = spec.build_datamodule(data.samples, features=features, pad_token_id=target.tokenizer.pad_token_id or 0,
                                seed=int(cfg.seed))
     module = spec.build_module(draft, target)
     has_val = float(spec.block("data").get("val_fraction") or 0) > 0
     callbacks, history = _callbacks(cfg, root, spec.monitor, has_val=has_val)
-    precision = resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator"))
-    if precision != cfg.trainer.get("precision"):
-        log.info("trainer.precision=auto: %s on this machine", precision)
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, precision=precision,
-                          default_root_dir=str(root), use_distributed_sampler=False)
+    trainer = _trainer(cfg, callbacks, loggers, root)
     resume = root / "checkpoints" / "resume.ckpt"
     ckpt_path = str(resume) if resume.exists() else None
     if ckpt_path:
@@ -197,8 +197,50 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
         # Our DataModule restores the data position itself; Lightning cannot see that and warns.
         warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
-    if trainer.global_rank != 0:
-        return TrainResult(key, root, draft_dir, reused=False)
+    with ranks.main_first("draft"):
+        if trainer.global_rank == 0:
+            _recover_history(history, resume)
+            _save(cfg, spec, key, root, module, target, callbacks, history, has_val, trainer, t0)
+    # Every rank has seen the draft: the marker directory may go (see ranks.end_job).
+    ranks.barrier()
+    return _finished(key, root, reused=False)
+
+
+def _finished(key: str, root: Path, *, reused: bool) -> TrainResult:
+    """The result of a finished key, read from its summary (the same on every rank)."""
+    summary = json.loads((root / "train_summary.json").read_text())
+    return TrainResult(key, root, root / "draft", reused=reused, history=summary.get("history", []),
+                       best=summary.get("best", {}), train_seconds=0.0 if reused else summary.get("train_seconds", 0.0))
+
+
+def _trainer(cfg: DictConfig, callbacks: list, loggers: list | None, root: Path):
+    """The configured Trainer; the target follows the strategy's device (``TargetPlacement``), and a job of a
+    parallel local sweep trains on its own GPU (``ranks.job_gpu``)."""
+    precision = resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator"))
+    if precision != cfg.trainer.get("precision"):
+        log.info("trainer.precision=auto: %s on this machine", precision)
+    extra = {}
+    gpu = ranks.job_gpu()
+    if gpu is not None and cfg.trainer.get("accelerator") in ("gpu", "cuda") and cfg.trainer.get("devices") == 1:
+        extra["devices"] = [gpu]
+    return instantiate(cfg.trainer, callbacks=[*callbacks, TargetPlacement()], logger=loggers or False,
+                       precision=precision, default_root_dir=str(root), use_distributed_sampler=False, **extra)
+
+
+def _recover_history(history: HistoryCallback, resume: Path) -> None:
+    """Under ``ddp_spawn`` the curves were collected in the spawned processes, and Lightning hands back only the
+    weights: take them from the last resume checkpoint (written at the last epoch end, after its validation)."""
+    if history.rows or not resume.exists():
+        return
+    state = torch.load(resume, map_location="cpu", weights_only=False).get("callbacks", {})
+    saved = state.get(history.state_key)
+    if saved:
+        history.load_state_dict(saved)
+
+
+def _save(cfg, spec, key, root, module, target, callbacks, history, has_val, trainer, t0) -> None:
+    """The summary, then the draft: the best checkpoint by the held-out metric, else the final state."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     best = {}
     # With a held-out metric the artifact is the best checkpoint by it. Without one there is no "best": the
@@ -222,7 +264,7 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
     # (already finished) fit from the resume checkpoint and lands here again.
     atomic_write_text(root / "train_summary.json", json.dumps({"key": key, "history": history.rows, "best": best,
                                                                "train_seconds": seconds}, indent=2))
+    draft_dir = root / "draft"
     with atomic_dir(draft_dir) as tmp:
         spec.save(module.draft, tmp, target)
     log.info("trained draft saved to %s (%.0f s)", draft_dir, seconds)
-    return TrainResult(key, root, draft_dir, reused=False, history=history.rows, best=best, train_seconds=seconds)
