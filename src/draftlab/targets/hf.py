@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from draftlab.assets import cache_root
 from draftlab.decoding.cache import KVCache, PinnedKV, SparseView
 from draftlab.targets.base import Geometry, LayerConvention, LayerOutput, TargetOutput, default_aux_layer_ids
+from draftlab.targets.fused import cpu_head_pays, fuse_layers, placement
 from draftlab.targets.row_kernels import GEMM, MODES, ROW_GRID, RowKernels
 from draftlab.utils.logging import get_logger
 
@@ -111,24 +112,45 @@ class HFTarget:
             self.geometry.num_layers, self.layer_convention)
         self._check_aux_ids()
         self.eos_token_ids = self._eos_ids()
-        self._layers = self._fuse_weights() if self.geometry.model_type in SUPPORTED_MODEL_TYPES else None
         # Module handles resolved once: ``get_input_embeddings()`` costs ~10 us a call, a visible share of a
         # small model's decode step.
         self._embed_tokens = model.get_input_embeddings()
         self._norm = getattr(getattr(model, "model", None), "norm", None)
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin tables [P, hd]
-        # For a single row, MKL's x @ W^T is about twice as fast with W^T stored contiguously (measured on
-        # the 49k x 576 LM head: 7.8 vs 14.2 ms), and the LM head is ~20% of a decode step's bytes. Worth
-        # one extra copy of that matrix; with more rows the plain layout is faster again.
-        # fp32 only: for bf16 that layout has no fast kernel here and is several times slower.
-        fast = self._layers is not None and self.dtype == torch.float32 and self.model.lm_head.bias is None
-        self._lm_head_t = self.model.lm_head.weight.detach().t().contiguous() if fast else None  # [d, V]
         # The product for passes of 2..64 rows (verify passes): ``auto`` measures it on this machine at the
         # first such pass (cached per machine), ``gemm`` / ``weight_major`` force one (targets/row_kernels.py).
         if row_kernels not in MODES:
             raise ValueError(f"row_kernels must be one of {MODES}, got {row_kernels!r}")
         self.row_kernels_mode = row_kernels
+        self._refresh()
+
+    def to(self, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> HFTarget:
+        """Move and/or cast the model; what is built from its weights follows. Returns ``self``.
+
+        ``target.model.to(...)`` alone works too: the next forward notices the move and fuses again."""
+        self.model.to(device=device, dtype=None if dtype is None else resolve_dtype(dtype))
+        self._refresh()
+        return self
+
+    def _refresh(self) -> None:
+        """(Re)build what depends on where the weights are: fused matrices (fused.py), rotary tables, the
+        CPU LM-head copy and the row kernels (measured per device and dtype)."""
+        fusable = self.geometry.model_type in SUPPORTED_MODEL_TYPES
+        # The module whose weight tells where the model is now (a fused one: its view is what a move replaces).
+        self._probe = self.model.model.layers[0].self_attn.q_proj if fusable else self._embed_tokens
+        head = getattr(self.model, "lm_head", None)
+        if getattr(self.model.config, "tie_word_embeddings", False) and head is not None \
+                and head.weight is not self._embed_tokens.weight:
+            self.model.tie_weights()  # a move that replaces parameters (e.g. to meta) unties them
+        self._layers = fuse_layers(self.model) if fusable else None
+        self._fused_on = placement(self._probe.weight)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin tables [P, hd]
+        self._lm_head_t: torch.Tensor | None = None  # [d, V], made by the first single-row CPU product
         self._row_kernels: RowKernels | None = None
+
+    def _follow_model(self) -> None:
+        # A few hundred ns per pass: the model was moved or cast behind the target's back (``model.to``).
+        if placement(self._probe.weight) != self._fused_on:
+            self._refresh()
 
     @property
     def row_kernels(self) -> RowKernels:
@@ -153,40 +175,6 @@ class HFTarget:
             measured = RowKernels.measured(run, identity, cache_dir=cache_root())
             self._row_kernels = measured
         return self._row_kernels
-
-    def _fuse_weights(self) -> list[dict]:
-        """Per layer: q|k|v and gate|up concatenated into one matrix each.
-
-        Decoding a small model on CPU is bound by the number of kernel launches, not FLOPs: one matmul for
-        q/k/v and one for gate/up halves them. The HF modules' parameters are re-pointed at views of the
-        fused tensors, so HF code (``generate``, ``output_hidden_states``) keeps working and no weight is
-        stored twice.
-        """
-        layers = []
-        for layer in self.model.model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            projs = [a.q_proj, a.k_proj, a.v_proj]
-            wqkv = torch.cat([p.weight.detach() for p in projs], 0)
-            bqkv = torch.cat([p.bias.detach() for p in projs], 0) if a.q_proj.bias is not None else None
-            wgu = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], 0)
-            off = 0
-            for p in projs:
-                n = p.weight.shape[0]
-                p.weight.data = wqkv[off:off + n]
-                if bqkv is not None:
-                    p.bias.data = bqkv[off:off + n]
-                off += n
-            ni = mlp.gate_proj.weight.shape[0]
-            mlp.gate_proj.weight.data, mlp.up_proj.weight.data = wgu[:ni], wgu[ni:]
-            act = getattr(self.model.config, "hidden_act", "silu")
-            layers.append(dict(
-                ln1=layer.input_layernorm.weight, eps1=layer.input_layernorm.variance_epsilon,
-                ln2=layer.post_attention_layernorm.weight, eps2=layer.post_attention_layernorm.variance_epsilon,
-                wqkv=wqkv, bqkv=bqkv, wo=a.o_proj.weight, bo=a.o_proj.bias, wgu=wgu, wd=mlp.down_proj.weight,
-                act=F.silu if act == "silu" else mlp.act_fn,
-                q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None), scaling=a.scaling,
-            ))
-        return layers
 
     def _rope_tables(self, needed: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions [0, needed), computed by the model's own rotary module, grown by doubling."""
@@ -256,6 +244,7 @@ class HFTarget:
             raise NotImplementedError(
                 f"the explicit-cache forward supports {SUPPORTED_MODEL_TYPES}; '{self.geometry.model_type}' "
                 "loads (tokenizer, HF generate) but cannot be verified against yet")
+        self._follow_model()
         return self.model.model
 
     @torch.no_grad()
@@ -326,9 +315,13 @@ class HFTarget:
         """
         if norm:
             h = self.final_norm(h)
-        if self._lm_head_t is not None and h.numel() == h.shape[-1]:
-            return h @ self._lm_head_t  # [1, 1, V]
         head = self.model.lm_head
+        if h.numel() == h.shape[-1] and h.device.type == "cpu" and self._layers is not None:
+            self._follow_model()
+            if self._lm_head_t is None and cpu_head_pays(self.model, head.weight):
+                self._lm_head_t = head.weight.detach().t().contiguous()  # [d, V]: see fused.cpu_head_pays
+            if self._lm_head_t is not None:
+                return h @ self._lm_head_t  # [1, 1, V]
         return self.row_kernels.linear(h, head.weight, head.bias)  # [B, T, V]
 
     @torch.no_grad()
