@@ -92,41 +92,55 @@ class ContextVerifyCost:
 def verify_passes(target, rows: tuple[int, ...], *, context: int = 128) -> list:
     """One closure per row count, each running a verify-shaped pass of that many rows over a ``context``-token
     prefix: tree rows at the positions after the prefix, an ancestor mask (a balanced binary tree) over the
-    committed prefix plus the tree, a scratch region of the cache that the next pass overwrites."""
-    vocab = target.geometry.vocab_size
-    prompt = (torch.arange(context) * 7919 % max(vocab - 1, 1) + 1)[None]  # [1, context] arbitrary tokens
+    committed prefix plus the tree, a scratch region of the cache that the next pass overwrites. Every input
+    is on the target's device, as the engine's are."""
+    vocab, dev = target.geometry.vocab_size, target.device
+    prompt = (torch.arange(context, device=dev) * 7919 % max(vocab - 1, 1) + 1)[None]  # [1, context] arbitrary
     cache = target.new_cache(1, context + max(rows) + 1)
     with torch.inference_mode():
         target.forward(prompt, cache=cache)
     cache.commit(context)
     calls = []
     for k in rows:
+        # Built on the host (a tree's checks read its parents there), then moved once, as the engine's are.
         parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)])
         tree = DraftTree.from_parents(torch.arange(k) * 31 % max(vocab - 1, 1) + 1, parents)
-        mask = torch.cat([torch.ones(k, context, dtype=torch.bool), ancestor_mask(tree.parents)], 1)
+        mask = torch.cat([torch.ones(k, context, dtype=torch.bool), ancestor_mask(tree.parents)], 1).to(dev)
+        tree = tree.to(dev)
         positions = context + tree.depth  # [k]
         calls.append(lambda t=tree, m=mask, p=positions: target.forward(t.tokens[None], p, cache, m))
     return calls
 
 
-def time_interleaved(calls: list, reps: int) -> list[float]:
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for the work queued on ``device``: a GPU runs kernels asynchronously, so a wall clock read without
+    this times the launches, not the pass. A no-op on the CPU (and on meta)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(calls: list, reps: int, device: torch.device | str | None = None) -> list[float]:
     """Median seconds of each call, the calls alternating in every repetition (a drift of the machine's
-    speed spreads over all of them rather than tilting the comparison); one warm-up round first."""
+    speed spreads over all of them rather than tilting the comparison); one warm-up round first. ``device``:
+    where the calls run, synchronised before each timer starts and before it is read."""
     times = [[] for _ in calls]
     with torch.inference_mode():
         for call in calls:
             call()
         for _ in range(reps):
             for j, call in enumerate(calls):
+                synchronize(device)
                 t0 = time.perf_counter()
                 call()
+                synchronize(device)
                 times[j].append(time.perf_counter() - t0)
     return [sorted(t)[len(t) // 2] for t in times]
 
 
 def measure_verify_cost(target, rows: tuple[int, ...] = ROWS, *, context: int = 128, reps: int = 5) -> VerifyCost:
     """Median wall time of a verify-shaped pass (``verify_passes``) of each row count over one context."""
-    return VerifyCost(tuple(rows), tuple(time_interleaved(verify_passes(target, rows, context=context), reps)))
+    passes = verify_passes(target, rows, context=context)
+    return VerifyCost(tuple(rows), tuple(time_interleaved(passes, reps, target.device)))
 
 
 def measure_context_cost(target, rows: tuple[int, ...] = ROWS, *, contexts: tuple[int, ...] = CONTEXTS,
@@ -140,11 +154,13 @@ _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def verify_cost(target) -> ContextVerifyCost:
-    """This target's curves over ``CONTEXTS``, measured on first request."""
+    """This target's curves over ``CONTEXTS``, measured on first request, and again after the target moved
+    to another device or dtype (the price of a pass is the device's)."""
+    where = (str(target.device), str(target.dtype))
     try:
-        return _MEASURED[target]
-    except KeyError:
-        cost = _MEASURED[target] = measure_context_cost(target)
-        return cost
+        seen = _MEASURED.get(target)
     except TypeError:  # a target that cannot be weakly referenced: measure each time it is asked
         return measure_context_cost(target)
+    if seen is None or seen[0] != where:
+        seen = _MEASURED[target] = (where, measure_context_cost(target))
+    return seen[1]
