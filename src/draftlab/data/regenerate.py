@@ -16,6 +16,8 @@ Failures are retried. A conversation whose generation raised (out of memory, an 
 template that rejects its history) gets an error record with the reason and its attempt number, and is
 *not* done: the next run generates its batch again, up to ``max_attempts`` attempts in all. Only then is it
 given up and reported by id. A later success supersedes earlier error records of the same id.
+An error that is the run's rather than a conversation's (inputs on another device than the weights)
+is not recorded: it ends the run.
 """
 
 from __future__ import annotations
@@ -133,6 +135,22 @@ def _prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def _model_device(model) -> torch.device:
+    dev = getattr(model, "device", None)  # HF models say where they are; a plain module by its weights
+    return dev if isinstance(dev, torch.device) else next(model.parameters()).device
+
+
+# Errors of the run's own code, not of one conversation: inputs and weights on different devices fail every
+# generate call alike, so recording them per conversation (and retrying) would only hide the bug behind a
+# run that "completes" with nothing in it. They end the run instead.
+_RUN_ERRORS = ("Expected all tensors to be on the same device", "Expected object of device type",
+               "should be either on cpu or on the same device")
+
+
+def _is_run_error(e: Exception) -> bool:
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _RUN_ERRORS)
+
+
 @torch.no_grad()
 def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenConfig, eos_ids: list[int]) -> list[tuple[list[int], str]]:
     """Batched sampling with left padding; returns (new token ids, finish reason) per prompt."""
@@ -143,6 +161,8 @@ def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenConfig, eos_
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         att[i, width - len(p):] = 1
+    dev = _model_device(model)  # HF generate does not move its inputs: they go where the weights are
+    ids, att = ids.to(dev), att.to(dev)
     sample = cfg.temperature > 0
     kw = dict(do_sample=sample, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad, eos_token_id=eos_ids)
     if sample:
@@ -233,6 +253,8 @@ def regenerate(target, conversations: Sequence[Conversation], out_path: str | Pa
                 try:
                     outs = _generate(model, tok, prompts, cfg, eos)
                 except Exception as e:
+                    if _is_run_error(e):
+                        raise
                     for k in active:
                         status[k], reason[k] = "error", f"generation failed: {type(e).__name__}: {e}"
                     continue
