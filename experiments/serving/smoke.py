@@ -6,8 +6,8 @@ Run with the project venv; the server runs in vLLM's own venv (``--vllm-python``
     python experiments/serving/smoke.py ... --draft /tmp/smollm2_eagle3_vllm   # + EAGLE-3, 3 tokens
 
 Measures the server's start-up time (process start to ``/health`` 200), the decode throughput of the batch
-(completion tokens / wall time of the concurrent run), per-request latency, the peak resident memory of the
-server's process group (sampled every 0.5 s), and the ``vllm:`` counters of ``/metrics`` (spec-decode ones
+(completion tokens / wall time of the concurrent run), per-request latency, the peak proportional set size (PSS) of
+the server's process group (sampled every 0.5 s), and the ``vllm:`` counters of ``/metrics`` (spec-decode ones
 when a draft is given).
 """
 
@@ -39,8 +39,9 @@ def first_user_turns(path: Path, n: int, max_chars: int) -> list[str]:
     return out
 
 
-def group_rss_mib(pgid: int) -> float:
-    """Resident memory of every process in a process group, MiB (from /proc; shared pages count per process)."""
+def group_rss_mib(pgid: int, field: str = "Pss") -> float:
+    """Memory of every process in a process group, MiB, from /proc/PID/smaps_rollup: ``Pss`` (shared pages split
+    between the processes that map them, so the sum is not inflated) or ``Rss``."""
     total = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -48,8 +49,8 @@ def group_rss_mib(pgid: int) -> float:
             fields = stat[stat.rindex(")") + 2:].split()
             if int(fields[2]) != pgid:  # field 5 of stat: pgrp
                 continue
-            rss = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                       if line.startswith("VmRSS:"))
+            rss = next(line for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+                       if line.startswith(field + ":"))
             total += int(rss.split()[1])
         except (OSError, ValueError, StopIteration):
             continue
@@ -59,15 +60,15 @@ def group_rss_mib(pgid: int) -> float:
 class PeakMemory(threading.Thread):
     def __init__(self, pgid: int):
         super().__init__(daemon=True)
-        self.pgid, self.peak, self._stop = pgid, 0.0, threading.Event()
+        self.pgid, self.peak, self._done = pgid, 0.0, threading.Event()
 
     def run(self):
-        while not self._stop.is_set():
+        while not self._done.is_set():
             self.peak = max(self.peak, group_rss_mib(self.pgid))
-            self._stop.wait(0.5)
+            self._done.wait(0.5)
 
     def stop(self) -> float:
-        self._stop.set()
+        self._done.set()
         self.join()
         return self.peak
 
@@ -120,8 +121,9 @@ def main() -> None:
     with ServerProcess(cmd, port=port, startup_timeout=args.startup_timeout, log_path=args.log,
                        env=env) as server:
         result["startup_s"] = round(server.startup_s, 1)
-        result["idle_rss_mib"] = round(group_rss_mib(server.proc.pid))
-        print(f"healthy after {server.startup_s:.1f} s, {result['idle_rss_mib']} MiB", flush=True)
+        result["idle_pss_mib"] = round(group_rss_mib(server.proc.pid))
+        result["idle_rss_mib"] = round(group_rss_mib(server.proc.pid, "Rss"))
+        print(f"healthy after {server.startup_s:.1f} s, PSS {result['idle_pss_mib']} MiB", flush=True)
         client = ChatClient(server.url, model="target", concurrency=args.concurrency,
                             timeout=args.request_timeout, retries=0,
                             defaults={"temperature": 0.0, "return_token_ids": True})
@@ -133,7 +135,7 @@ def main() -> None:
         done = client.chat_many_sync([[{"role": "user", "content": q}] for q in prompts],
                                      max_tokens=args.max_tokens)
         wall = time.perf_counter() - t0
-        result["peak_rss_mib"] = round(memory.stop())
+        result["peak_pss_mib"] = round(memory.stop())
         tokens = sum(c.completion_tokens for c in done)
         latencies = sorted(c.latency_s for c in done)
         result.update(
