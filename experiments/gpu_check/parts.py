@@ -99,7 +99,7 @@ def pytest_gpu(ctx: Context) -> dict:
     if not ctx.gpu:
         return {"skipped": "no CUDA device: the gpu-marked tests are reported as skipped by the suite itself"}
     rc, tail = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "-p", "no:cacheprovider"],
-                    ctx, "pytest_gpu.log", timeout=300)
+                    ctx, "pytest_gpu.log", timeout=180)
     summary = tail.strip().splitlines()[-1] if tail.strip() else ""
     if rc != 0 or " passed" not in summary:
         raise AssertionError(f"pytest -m gpu: exit {rc}: {tail[-1500:]}")
@@ -112,7 +112,7 @@ def conformance(ctx: Context) -> dict:
               else "greedy_equals_ar_tiny and (eagle3 or prompt_lookup)")
     workers = ["-n", "8"] if ctx.gpu else ["-n", "0"]
     rc, tail = _run([sys.executable, "-m", "pytest", "tests/decoding/conformance/test_conformance.py", "-m", "not slow",
-                     "-k", select, *workers, "-q", "-p", "no:cacheprovider"], ctx, "conformance.log", timeout=420)
+                     "-k", select, *workers, "-q", "-p", "no:cacheprovider"], ctx, "conformance.log", timeout=240)
     summary = tail.strip().splitlines()[-1] if tail.strip() else ""
     if rc != 0:
         raise AssertionError(f"conformance on {ctx.device}: exit {rc}: {tail[-1500:]}")
@@ -218,7 +218,7 @@ def train(ctx: Context) -> dict:
     """EAGLE-3 through ``draftlab-train`` on the device: online features (evaluated greedily, ``tree: auto``)
     and offline features (evaluated at T = 0.7)."""
     runs = {"online": ["method.features=null", "eval.temperature=0", "method.drafter.tree=auto"],
-            "offline": ["eval.temperature=0.7"]}
+            "offline": ["eval.temperature=0.7", "seed=1"]}  # another seed: a new key, not the online draft reused
     device = (["target.device=cuda", "trainer=gpu"] if ctx.gpu else [])
     tok = [f"++target.tokenizer={ctx.tokenizer}"] if ctx.tokenizer else []
     out = {}
@@ -227,7 +227,7 @@ def train(ctx: Context) -> dict:
         cmd = [sys.executable, "-m", "draftlab.cli.train", "experiment=tiny", "logger=csv", *device, *tok,
                f"paths.artifacts={ctx.out / 'artifacts'}", f"hydra.run.dir={run_dir}",
                "bench.path=${paths.shared_data}/mt_bench/question.jsonl", "bench.limit=2", *extra]
-        rc, tail = _run(cmd, ctx, f"train_{name}.log", timeout=300)
+        rc, tail = _run(cmd, ctx, f"train_{name}.log", timeout=180)
         if rc != 0:
             raise AssertionError(f"draftlab-train ({name}) exit {rc}: {tail[-2000:]}")
         record = json.loads((run_dir / "record.json").read_text())
@@ -261,7 +261,10 @@ def _llama_target(ctx: Context, shape: dict):
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device(ctx.device):
+        with torch.device(ctx.device), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            if ctx.gpu:
+                torch.cuda.manual_seed(0)
             model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(default)
@@ -334,11 +337,13 @@ def _decode_speed(ctx: Context, target, new_tokens: int) -> dict:
                                         top_p=None, top_k=None, pad_token_id=0)
         ctx.sync()
         hf.append(new_tokens / (time.perf_counter() - t0))
-    same = out == ref[0, len(prompt):].tolist()
+    # In bf16 the two may part where the top two logits tie to bf16 precision (different kernels, same model).
+    hf_out = ref[0, len(prompt):].tolist()
+    same = next((i for i, (a, b) in enumerate(zip(out, hf_out)) if a != b), None)
     return {"new_tokens": new_tokens, "engine_ar_tok_s": round(statistics.median(ours[1:]), 1),
             "hf_generate_tok_s": round(statistics.median(hf[1:]), 1),
             "engine_over_hf": round(statistics.median(ours[1:]) / statistics.median(hf[1:]), 2),
-            "same_tokens_as_hf": same}
+            "first_difference_from_hf": same}
 
 
 def llama8b(ctx: Context) -> dict:
@@ -361,5 +366,6 @@ def llama8b(ctx: Context) -> dict:
     return out
 
 
-PARTS = {"env": env, "pytest_gpu": pytest_gpu, "conformance": conformance, "lossless": lossless,
-         "bf16_greedy": bf16_greedy, "train": train, "llama8b": llama8b}
+# In the order they run: what no other check covers first, so a check cut short by its time limit loses least.
+PARTS = {"env": env, "lossless": lossless, "bf16_greedy": bf16_greedy, "llama8b": llama8b, "train": train,
+         "conformance": conformance, "pytest_gpu": pytest_gpu}
