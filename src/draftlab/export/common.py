@@ -20,6 +20,7 @@ import torch
 
 from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.methods.eagle3.model import Eagle3Draft
+from draftlab.methods.placement import target_device
 from draftlab.targets.base import LayerConvention, default_aux_layer_ids
 from draftlab.utils.errors import ArtifactError
 from draftlab.utils.logging import get_logger
@@ -314,13 +315,18 @@ def is_target_factory(target) -> bool:
 
 
 def assemble_draft(config: Eagle3Config, tensors: dict[str, torch.Tensor], *, source: str, target=None,
-                   require_embedding: bool = True, dtype: torch.dtype | str | None = None) -> Eagle3Draft:
+                   require_embedding: bool = True, dtype: torch.dtype | str | None = None,
+                   device: torch.device | str | None = None) -> Eagle3Draft:
     """Build ``Eagle3Draft(config)`` and load ``tensors`` (native key names) strictly.
 
     Missing or unexpected keys and wrong shapes raise ``ValueError`` naming them and ``source``. The
     embedding comes from ``tensors`` if present, else from ``target`` (a Target, or a zero-argument function
     building one, called only here). With neither, ``require_embedding`` decides: raise, or fill the
     embedding with NaN so that any accidental forward is visibly wrong (an export-only draft).
+
+    The draft comes back on ``device`` if given, else on the target's device (a Target, or a factory built
+    here for the embedding), else on the CPU: a CPU draft beside a GPU target would copy the target's
+    features to the host every round.
     """
     draft = Eagle3Draft(config)
     expected = set(draft.state_dict()) - {EMBED_KEY}
@@ -338,8 +344,11 @@ def assemble_draft(config: Eagle3Config, tensors: dict[str, torch.Tensor], *, so
             parts.append(f"unexpected keys {sorted(unexpected)}")
         raise ValueError(f"{source}: weights do not match the draft config: " + "; ".join(parts))
 
+    if is_target_factory(target):
+        # Built only when the embedding must come from it (then its device is the draft's too).
+        target = target() if EMBED_KEY not in tensors else None
     dtype = resolve_dtype(dtype) or floating_dtype(tensors)
-    draft.to(dtype)
+    draft.to(device=target_device(target, device), dtype=dtype)
     try:
         draft.load_state_dict({k: tensors[k] for k in present}, strict=False)
     except RuntimeError as e:
@@ -353,7 +362,7 @@ def assemble_draft(config: Eagle3Config, tensors: dict[str, torch.Tensor], *, so
                                  f"{tuple(draft.embed_tokens.weight.shape)}")
             draft.embed_tokens.weight.copy_(emb)
         elif target is not None:
-            draft.load_target_embedding(target() if is_target_factory(target) else target)
+            draft.load_target_embedding(target)
         elif require_embedding:
             raise ValueError(f"{source} holds no {EMBED_KEY} (exports omit the frozen target embedding); "
                              "pass target=<the target model> to take it from the target")
@@ -361,4 +370,3 @@ def assemble_draft(config: Eagle3Config, tensors: dict[str, torch.Tensor], *, so
             draft.embed_tokens.weight.fill_(float("nan"))
     draft.embed_tokens.weight.requires_grad_(False)
     return draft
-

@@ -62,18 +62,20 @@ def detect_source(path: str | Path) -> str:
 
 
 def load_draft(path: str | Path, *, target=None, require_embedding: bool = True,
-               dtype: str | torch.dtype | None = None) -> Eagle3Draft:
+               dtype: str | torch.dtype | None = None, device: torch.device | str | None = None) -> Eagle3Draft:
     """Load a draft from a Lightning ``.ckpt`` or a native / speculators directory (see ``detect_source``).
 
     ``target`` (a Target or a zero-argument function returning one) supplies the embedding when the source
     has none; ``require_embedding=False`` accepts its absence (the embedding is then NaN-filled).
+    The draft comes back on ``device`` if given, else on the target's device (a factory's only when it was
+    built for the embedding), else on the CPU.
     """
     kind = detect_source(path)
     if target is not None and not is_target_factory(target):
         check_fits_target(path, target)  # before any weight is read
     loader = {"lightning": draft_from_lightning_checkpoint, "native": load_native,
               "speculators": load_speculators}[kind]
-    return loader(path, target=target, require_embedding=require_embedding, dtype=dtype)
+    return loader(path, target=target, require_embedding=require_embedding, dtype=dtype, device=device)
 
 
 def check_fits_target(path: str | Path, target) -> None:
@@ -145,7 +147,8 @@ def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, *, format:
         return built["target"]
 
     use_target = get_target if (include_embedding and target is not None) else None
-    draft = load_draft(checkpoint, target=use_target, require_embedding=include_embedding)
+    # On the CPU: the draft is only written out (export_tensors reads it there), never run.
+    draft = load_draft(checkpoint, target=use_target, require_embedding=include_embedding, device="cpu")
     log.info("loaded %s draft from %s (%d layer(s), V_d=%d)", kind, checkpoint, draft.config.num_layers,
              draft.config.draft_vocab_size)
 

@@ -69,16 +69,18 @@ def read_lightning_checkpoint(path: str | Path) -> tuple[Eagle3Config, dict[str,
 
 
 def draft_from_lightning_checkpoint(path: str | Path, *, target=None, require_embedding: bool = True,
-                                    dtype: str | torch.dtype | None = None) -> Eagle3Draft:
+                                    dtype: str | torch.dtype | None = None,
+                                    device: torch.device | str | None = None) -> Eagle3Draft:
     """Rebuild the trained ``Eagle3Draft`` from a Lightning checkpoint.
 
     The checkpoint has no embedding, so it is copied from ``target`` (a Target, or a zero-argument function
     returning one); without a target, ``require_embedding=True`` raises and ``False`` leaves the embedding
-    NaN-filled (enough to export). A truncated or corrupt file raises ``ValueError`` naming it.
+    NaN-filled (enough to export). A truncated or corrupt file raises ``ValueError`` naming it. The draft
+    comes back on ``device``, else on the target's device, else on the CPU (``assemble_draft``).
     """
     config, tensors = read_lightning_checkpoint(path)
     return assemble_draft(config, tensors, source=str(path), target=target,
-                          require_embedding=require_embedding, dtype=dtype)
+                          require_embedding=require_embedding, dtype=dtype, device=device)
 
 
 __all__ = ["draft_from_lightning_checkpoint", "read_lightning_checkpoint", "read_lightning_config"]

@@ -288,14 +288,14 @@ def config_from_native_json(cfg: dict[str, Any], tensor_keys, *, source: str, ta
 
 
 def load_native(path: str | Path, *, target=None, require_embedding: bool = True,
-                dtype: str | torch.dtype | None = None) -> Eagle3Draft:
+                dtype: str | torch.dtype | None = None, device: torch.device | str | None = None) -> Eagle3Draft:
     """Load a native EAGLE-3 directory of either variant (draftlab's own, a SpecForge / EAGLE checkpoint, or a
     vLLM-style config).
 
     Weights load strictly (missing / unexpected keys raise ``ValueError`` naming them). The embedding is
     taken from the file if present, else from ``target`` (a Target, or a zero-argument function returning
     one); with neither, ``require_embedding=True`` raises, ``False`` leaves it NaN-filled. ``dtype``
-    defaults to the file's.
+    defaults to the file's; ``device`` to the target's (the CPU without one), see ``assemble_draft``.
     """
     source = str(path)
     cfg = read_config(path)
@@ -304,7 +304,7 @@ def load_native(path: str | Path, *, target=None, require_embedding: bool = True
     real_target = None if is_target_factory(target) else target
     config = config_from_native_json(cfg, tensors.keys(), source=source, target=real_target)
     return assemble_draft(config, tensors, source=source, target=target, require_embedding=require_embedding,
-                          dtype=dtype)
+                          dtype=dtype, device=device)
 
 
 __all__ = ["AUX_KEY", "DRAFTLAB_BLOCK", "ENGINES", "config_from_native_json", "engine_aux_ids", "load_native",

@@ -179,10 +179,11 @@ def config_from_speculators_json(cfg: dict[str, Any], *, source: str, target=Non
 
 
 def load_speculators(path: str | Path, *, target=None, require_embedding: bool = True,
-                     dtype: str | torch.dtype | None = None) -> Eagle3Draft:
+                     dtype: str | torch.dtype | None = None, device: torch.device | str | None = None
+                     ) -> Eagle3Draft:
     """Load a speculators-format EAGLE-3 directory into an ``Eagle3Draft`` (aux ids in ``input_to``).
 
-    Same strictness and embedding rules as ``load_native``. ``verifier_*`` tensors (frozen copies of the
+    Same strictness, embedding and placement rules as ``load_native``. ``verifier_*`` tensors (frozen copies of the
     target's head) are ignored; a missing ``norm_before_residual`` is read as True, as vLLM does.
     """
     source = str(path)
@@ -194,7 +195,7 @@ def load_speculators(path: str | Path, *, target=None, require_embedding: bool =
     real_target = None if is_target_factory(target) else target
     config = config_from_speculators_json(cfg, source=source, target=real_target)
     return assemble_draft(config, tensors, source=source, target=target, require_embedding=require_embedding,
-                          dtype=dtype)
+                          dtype=dtype, device=device)
 
 
 __all__ = ["config_from_speculators_json", "load_speculators", "save_speculators", "speculators_config"]

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from draftlab.methods.confu.config import ConFuConfig
 from draftlab.methods.confu.model import ConFuDraft
+from draftlab.methods.placement import target_device
 
 FORMAT = "draftlab-confu/1"
 
@@ -31,13 +33,14 @@ def is_confu_artifact(path: str | Path) -> bool:
     return cfg.exists() and json.loads(cfg.read_text()).get("format") == FORMAT
 
 
-def load_confu(path: str | Path, *, target) -> ConFuDraft:
-    """Rebuild the draft; the embedding comes from ``target``. Missing or extra tensors raise, naming them."""
+def load_confu(path: str | Path, *, target, device: torch.device | str | None = None) -> ConFuDraft:
+    """Rebuild the draft on ``device`` (default: the target's); the embedding comes from ``target``. Missing or
+    extra tensors raise, naming them."""
     path = Path(path)
     meta = json.loads((path / "config.json").read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}/config.json is not a {FORMAT} artifact (format={meta.get('format')!r})")
-    draft = ConFuDraft(ConFuConfig.from_dict(meta["config"]))
+    draft = ConFuDraft(ConFuConfig.from_dict(meta["config"])).to(target_device(target, device))
     tensors = load_file(str(path / "model.safetensors"))
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if k != "embed_tokens.weight"]

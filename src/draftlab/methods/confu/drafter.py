@@ -94,7 +94,7 @@ class ConFuDrafter(Drafter):
         weights) or, with ``cache_soft_prompts=False``, the soft prompts themselves (rows of every pass)."""
         soft = self.draft.soft_prompts
         if not self.cache_soft_prompts:
-            return soft.to(target.dtype)
+            return soft.to(device=target.device, dtype=target.dtype)
         key = (id(target), soft._version)
         if self._soft is None or self._soft[0] != key:
             self._soft = (key, soft_prompt_kv(target, soft.to(device=target.device, dtype=target.dtype)))
@@ -114,14 +114,15 @@ class ConFuDrafter(Drafter):
         future, anchor = self._next_future
         if anchor != c + n - 1:
             raise RuntimeError(f"future anchored at {anchor}, but the new rows end at {c + n - 1}")
-        futures, cols = [future], [torch.arange(n) == n - 1]
+        # On the draft's device: at reset n is the prompt's length.
+        rows = torch.arange(c, c + n, device=self.draft.fc.weight.device)  # [n]
+        futures, cols = [future], [rows == c + n - 1]
         if self._future is not None:
-            rows = torch.arange(c, c + n)
             futures.insert(0, self._future)
             cols.insert(0, (rows < c + n - 1) & (rows - self._future_anchor < self.draft.config.future_window))
         kv = [(torch.cat([f[layer][0] for f in futures], 2), torch.cat([f[layer][1] for f in futures], 2))
               for layer in range(len(future))]  # per layer [1, Hkv, P, hd]
-        return SideKeys(kv, torch.stack(cols, 1).to(self.draft.fc.weight.device))  # mask [n, P]
+        return SideKeys(kv, torch.stack(cols, 1))  # mask [n, P]
 
     def _commit_future(self) -> None:
         self._future, self._future_anchor = self._next_future

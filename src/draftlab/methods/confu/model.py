@@ -78,6 +78,7 @@ class EmbeddingMoE(nn.Module):
     def reset_parameters(self, center: torch.Tensor, spread: torch.Tensor, generator: torch.Generator | None = None
                          ) -> None:
         """Experts at ``center + 0.1 * spread * noise`` (near the mean token embedding); a small router."""
+        # Drawn on the generator's device (the CPU by default): a seed gives the same experts on any device.
         noise = torch.randn(self.experts.shape, generator=generator).to(self.experts)
         self.experts.copy_(center.to(self.experts) + 0.1 * spread.to(self.experts) * noise)
         if self.router is not None:
@@ -262,11 +263,13 @@ class ConFuDraft(Eagle3Draft):
         """Soft prompts = embeddings of random vocabulary tokens (prompt-tuning init); MoE experts near the
         mean token embedding; small routers; ``fc_f`` a copy of ``fc``. Needs the target embedding loaded."""
         emb = self.embed_tokens.weight.float()  # [V, d]
-        if not torch.isfinite(emb).all():
+        if not emb.is_meta and not torch.isfinite(emb).all():  # (a meta draft has no values to check)
             raise ValueError("the draft has no target embedding (NaN): load it before initialising ConFu")
+        # Random draws on the generator's device (the CPU by default), so a seed gives the same draft on any
+        # device; the statistics stay where the embedding is.
         ids = torch.randint(emb.shape[0], (self.soft_prompts.shape[0],), generator=generator)
         self.soft_prompts.copy_(emb[ids.to(emb.device)].to(self.soft_prompts))
-        center, spread = emb.mean(0).cpu(), emb.std(0).cpu()  # [d]
+        center, spread = emb.mean(0), emb.std(0)  # [d]
         self.con_moe.reset_parameters(center, spread, generator)
         self.f_moe.reset_parameters(center, spread, generator)
         if self.fc_f is not None:

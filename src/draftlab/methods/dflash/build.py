@@ -14,6 +14,7 @@ import torch
 from draftlab.methods.dflash.config import DFlashConfig, default_mask_token_id, default_taps
 from draftlab.methods.dflash.model import DFlashDraft
 from draftlab.methods.eagle3.config import rope_from_hf_config
+from draftlab.methods.placement import target_device
 from draftlab.targets.base import LayerConvention, to_convention
 
 
@@ -22,7 +23,8 @@ def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers
                 init_norm_from_target: bool = True, seed: int | None = None, init: dict | None = None,
                 **overrides: Any) -> DFlashDraft:
     """A fresh DFlash draft sized like ``target`` and sharing its (frozen) embedding and LM head, or one
-    continued from ``init.from`` (a DFlash artifact directory: on-policy training starts from a trained draft).
+    continued from ``init.from`` (a DFlash artifact directory: on-policy training starts from a trained draft);
+    either on the target's device.
 
     taps             target layers to read, in ``target.layer_convention``; None = DFlash's ``num_taps``
                      layers spread over the target's depth (``config.default_taps``, counted output_of).
@@ -48,7 +50,7 @@ def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers
         if clash:
             raise ValueError(f"method.draft.init.from={init['from']} disagrees with method.draft "
                              f"(configured, loaded): {clash}")
-        draft.to(target.dtype).share_target_weights(target)
+        draft.to(device=target_device(target), dtype=target.dtype).share_target_weights(target)
         return draft
     g = target.geometry
     conv = LayerConvention(target.layer_convention)
@@ -73,8 +75,8 @@ def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers
     with torch.random.fork_rng(enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
-        draft = DFlashDraft(config)
-    draft.to(target.dtype).share_target_weights(target)
+        draft = DFlashDraft(config)  # drawn on the CPU: a seed gives the same draft on any device
+    draft.to(device=target_device(target), dtype=target.dtype).share_target_weights(target)
     if init_norm_from_target:
         with torch.no_grad():
             draft.norm.weight.copy_(target.model.model.norm.weight.to(draft.norm.weight.dtype))

@@ -29,6 +29,7 @@ import torch
 from draftlab.methods.dflash.config import DFlashConfig, default_taps
 from draftlab.methods.dflash.model import DFlashDraft
 from draftlab.methods.eagle3.config import rope_from_hf_config
+from draftlab.methods.placement import target_device
 from draftlab.targets.base import LayerConvention
 from draftlab.utils.atomic import atomic_dir
 
@@ -344,7 +345,7 @@ def check_valid(path: str | Path, *, target=None) -> None:
 
 
 def load(path: str | Path, *, target, dtype: str | torch.dtype | None = None) -> DFlashDraft:
-    """The draft saved at ``path`` (validated first), sharing ``target``'s embedding and LM head.
+    """The draft saved at ``path`` (validated first), on ``target``'s device, sharing its embedding and LM head.
 
     ``dtype`` defaults to the file's. Weights load strictly.
     """
@@ -357,7 +358,8 @@ def load(path: str | Path, *, target, dtype: str | torch.dtype | None = None) ->
     config = config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
     tensors = load_file(str(path / WEIGHTS_FILE))
     draft = DFlashDraft(config)
-    draft.to(resolve_dtype(dtype) if dtype is not None else tensors["fc.weight"].dtype)
+    dtype = resolve_dtype(dtype) if dtype is not None else tensors["fc.weight"].dtype
+    draft.to(device=target_device(target), dtype=dtype)
     draft.load_state_dict(tensors, strict=True)
     draft.share_target_weights(target)
     return draft

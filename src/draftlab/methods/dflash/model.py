@@ -23,6 +23,7 @@ from torch import nn
 
 from draftlab.methods.dflash.config import DFlashConfig
 from draftlab.methods.eagle3.model import RMSNorm, Rotary, apply_rotary
+from draftlab.methods.placement import same_device, target_device
 from draftlab.targets.base import to_convention
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v), each [B, Hkv, S, hd], rotated
@@ -112,7 +113,8 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraft(nn.Module):
-    """DFlash draft (see the module docstring). ``target``: take the shared embedding/LM head from it now."""
+    """DFlash draft (see the module docstring). ``target``: move to its device and take the shared embedding /
+    LM head from it now."""
 
     def __init__(self, config: DFlashConfig, target=None):
         super().__init__()
@@ -128,13 +130,17 @@ class DFlashDraft(nn.Module):
         self.register_buffer("lm_head_weight", None, persistent=False)  # [V, d]
         self.register_buffer("lm_head_bias", None, persistent=False)  # [V] or None
         if target is not None:
-            self.share_target_weights(target)
+            self.to(target_device(target)).share_target_weights(target)
 
     # ---- the target's shared, frozen pieces ------------------------------------------------------------
 
     @torch.no_grad()
     def share_target_weights(self, target) -> None:
-        """Point the draft at ``target``'s input embedding and LM head (frozen; shapes checked)."""
+        """Point the draft at ``target``'s input embedding and LM head (frozen; shapes checked).
+
+        The draft's own weights must already be on the device of the target's (``build_draft`` and ``load``
+        put them there): a draft on another device would run half its pass on each, copying every block's
+        states across. ``ValueError`` naming both devices otherwise."""
         model = getattr(target, "model", target)
         emb = model.get_input_embeddings().weight.detach()  # [V, d]
         head = model.get_output_embeddings()
@@ -142,6 +148,11 @@ class DFlashDraft(nn.Module):
         if tuple(emb.shape) != (V, d) or tuple(head.weight.shape) != (V, d):
             raise ValueError(f"target embedding {tuple(emb.shape)} / LM head {tuple(head.weight.shape)} do not fit "
                              f"the draft's vocab_size={V}, hidden_size={d}")
+        own = self.fc.weight.device
+        for name, shared in (("embedding", emb), ("LM head", head.weight)):
+            if not same_device(shared.device, own):
+                raise ValueError(f"the DFlash draft's weights are on {own} but the target's {name} is on "
+                                 f"{shared.device}: move the draft first (draft.to({str(shared.device)!r}))")
         dtype = self.fc.weight.dtype
         self.embed_weight = emb.to(dtype)
         self.lm_head_weight = head.weight.detach().to(dtype)

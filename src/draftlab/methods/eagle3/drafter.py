@@ -36,6 +36,7 @@ from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.tree import DraftTree, FrontierBatch, TopCandidates, build_dynamic_tree
 from draftlab.methods.eagle3.draft_cache import DraftRows
 from draftlab.methods.eagle3.model import Eagle3Draft, SideKeys
+from draftlab.methods.placement import check_on_target_device
 
 
 def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -152,10 +153,13 @@ class Eagle3Drafter(Drafter):
     # ---- compatibility ----------------------------------------------------------------------------------
 
     def check_compatible(self, target) -> None:
-        """Raise ``ValueError`` naming the field when the draft was not built for ``target``'s features.
+        """Raise ``ValueError`` naming the field when the draft was not built for ``target``'s features, or
+        the device when it is not on the target's (its cache would live there too, and every round's
+        features would be copied over).
 
         The target's own default taps do not matter: the engine captures the draft's (``aux_layers``).
         """
+        check_on_target_device(self._compute, target, what=f"the {type(self.draft).__name__}")
         c = self.draft.config
         g = target.geometry
         if c.target_hidden_size != g.hidden_size:
@@ -221,7 +225,8 @@ class Eagle3Drafter(Drafter):
         reference = rows.reference
         tree_side = SideKeys(side.kv) if side is not None else None
         max_candidates = 1 + self.top_k + max(self.depth - 1, 0) * self.top_k ** 2
-        slot = torch.full((max_candidates,), -1, dtype=torch.long)  # [Cmax] cache row of each candidate
+        # Host bookkeeping, like the tree's own (tree-sized): the cache row of each candidate.
+        slot = torch.full((max_candidates,), -1, dtype=torch.long)  # [Cmax]
         # Output state of each expanded candidate's row (candidate 0, the root: the last committed row).
         states = rows.h_last.new_empty(max_candidates, rows.h_last.shape[-1])  # [Cmax, d]
         states[0] = rows.h_last
@@ -237,16 +242,18 @@ class Eagle3Drafter(Drafter):
             rows.reserve(f)
             past = rows.cache.length
             slot[batch.node_ids] = torch.arange(past, past + f)
-            mask = torch.zeros(f, past + f, dtype=torch.bool)  # [F, S]
+            # Built on the draft's device: only the tree-sized part (the provisional rows) comes from the host,
+            # not a row of the whole context per level.
+            mask = torch.zeros(f, past + f, dtype=torch.bool, device=device)  # [F, S]
             mask[:, :committed] = True
             written = (slot[:c] >= 0).nonzero().flatten()  # [W] candidates with a provisional row
-            mask[:, slot[written]] = batch.ancestor_mask[:, written]
+            mask[:, slot[written].to(device)] = batch.ancestor_mask[:, written].to(device)
             ids = batch.tokens.to(device)  # [F]
             positions = torch.full((f,), committed - 1 + batch.depth, dtype=torch.long, device=device)  # [F]
             if reference:
-                h, out = rows.run(ids, hidden, positions, mask.to(device), tree_side)  # [F, d], [F, V]
+                h, out = rows.run(ids, hidden, positions, mask, tree_side)  # [F, d], [F, V]
             else:
-                h, logp = rows.step(ids, hidden, positions, mask.to(device), tree_side)  # [F, d], [F, V_d]
+                h, logp = rows.step(ids, hidden, positions, mask, tree_side)  # [F, d], [F, V_d]
                 out = rows.top_candidates(logp, self.top_k)  # [F, k]
             rows.cache.commit(f)
             states[batch.node_ids.to(device)] = h

@@ -28,6 +28,7 @@ from torch import nn
 
 from draftlab.decoding.cache import KVCache
 from draftlab.methods.eagle3.config import Eagle3Config
+from draftlab.methods.placement import target_device
 from draftlab.targets.base import to_convention
 
 
@@ -339,15 +340,18 @@ class Eagle3Draft(nn.Module):
     @classmethod
     def from_target(cls, target, *, vocab_mapping=None, draft_vocab_size: int | None = None,
                     **config_kwargs) -> Eagle3Draft:
-        """Draft sized like ``target``, with its embedding copied and frozen and ``vocab_mapping`` installed.
+        """Draft sized like ``target`` on the target's device, with its embedding copied and frozen and
+        ``vocab_mapping`` installed.
 
-        ``config_kwargs`` go to ``Eagle3Config.from_target`` (aux ids, convention, any field override).
+        ``config_kwargs`` go to ``Eagle3Config.from_target`` (aux ids, convention, any field override). The
+        weights are drawn on the CPU and then moved, so a seed gives the same draft whatever the device.
         """
         if vocab_mapping is not None:
             draft_vocab_size = vocab_mapping.draft_vocab_size
         if draft_vocab_size is None:
             raise ValueError("give vocab_mapping or draft_vocab_size")
         draft = cls(Eagle3Config.from_target(target, draft_vocab_size=draft_vocab_size, **config_kwargs))
+        draft.to(target_device(target))
         draft.load_target_embedding(target)
         if vocab_mapping is not None:
             draft.set_vocab_mapping(vocab_mapping)

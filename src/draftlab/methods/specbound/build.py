@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from draftlab.methods.placement import target_device
 from draftlab.methods.specbound.heads import ExitHeads, SpecBoundConfig, default_exit_layers
 from draftlab.utils.atomic import atomic_dir
 
@@ -19,7 +20,7 @@ WEIGHTS_FILE = "heads.safetensors"
 
 
 def build_draft(target, vocab=None, *, taps=None, exit_layers: list[int] | None = None) -> ExitHeads:
-    """Fresh exit heads (identity maps) for ``target``; ``exit_layers`` None = L/5 .. 4L/5."""
+    """Fresh exit heads (identity maps) for ``target``, on its device; ``exit_layers`` None = L/5 .. 4L/5."""
     if vocab is not None:
         raise ValueError("SpecBound drafts through the target's own LM head over the full vocabulary; "
                          "set method.draft_vocab_size: null")
@@ -28,7 +29,7 @@ def build_draft(target, vocab=None, *, taps=None, exit_layers: list[int] | None 
     g = target.geometry
     layers = [int(i) for i in exit_layers] if exit_layers is not None else default_exit_layers(g.num_layers)
     return ExitHeads(SpecBoundConfig(exit_layers=tuple(layers), num_layers=g.num_layers, hidden_size=g.hidden_size,
-                                     vocab_size=g.vocab_size))
+                                     vocab_size=g.vocab_size)).to(target_device(target))
 
 
 def save_artifact(heads: ExitHeads, out_dir: str | Path, *, target=None) -> Path:
@@ -42,7 +43,8 @@ def save_artifact(heads: ExitHeads, out_dir: str | Path, *, target=None) -> Path
     return out_dir
 
 
-def load_artifact(path: str | Path, *, target=None) -> ExitHeads:
+def load_artifact(path: str | Path, *, target=None, device: torch.device | str | None = None) -> ExitHeads:
+    """The heads saved at ``path``, fp32, on ``device`` (default: ``target``'s device; the CPU without one)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -66,4 +68,4 @@ def load_artifact(path: str | Path, *, target=None) -> ExitHeads:
         raise ValueError(f"{weights}: does not match {cfg_file}: {exc}") from exc
     if target is not None:
         heads.check_target(target)
-    return heads.to(torch.float32)
+    return heads.to(device=target_device(target, device), dtype=torch.float32)

@@ -25,6 +25,7 @@ import torch
 from draftlab.decoding.drafter import DecodeState, Drafter
 from draftlab.decoding.sampling import logits_to_probs, sample
 from draftlab.decoding.tree import DraftTree
+from draftlab.methods.placement import check_on_target_device
 from draftlab.methods.specbound.heads import ExitHeads, act_temperature
 from draftlab.targets.base import TargetOutput
 
@@ -71,6 +72,8 @@ class SpecBoundDrafter(Drafter):
 
     def reset(self, state: DecodeState) -> None:
         self.heads.check_target(state.target)
+        # Each head's map meets the target's hidden states (no per-round copy of either).
+        check_on_target_device(self.heads, state.target, what="the SpecBound exit heads")
         self._rows = []
         self.exit_depths = []
         self._ends = {"difficult": 0, "width": 0}
