@@ -31,11 +31,12 @@ def check_tree(tree: DraftTree, root: int, vocab: int, max_rows: int) -> None:
     assert bool(((tree.tokens >= 0) & (tree.tokens < vocab)).all()), "token outside the target vocabulary"
     assert n <= max_rows, f"{n} tree rows > the {max_rows} the drafter reserves"
     if not tree.deterministic:
-        q = tree.draft_probs.float()
+        q = tree.draft_probs.float()  # on the drafter's device: every index and reference below is made there
         assert q.shape == (n, vocab)
-        assert bool((q >= 0).all()) and torch.allclose(q[1:].sum(-1), torch.ones(n - 1), atol=1e-4)
+        assert bool((q >= 0).all()) and torch.allclose(q[1:].sum(-1), torch.ones(n - 1, device=q.device), atol=1e-4)
         # Each sampled node's token must be possible under the distribution it was drawn from.
-        assert bool((q[torch.arange(1, n), tree.tokens[1:]] > 0).all()), "a sampled token has q(x) = 0"
+        rows = torch.arange(1, n, device=q.device)
+        assert bool((q[rows, tree.tokens[1:].to(q.device)] > 0).all()), "a sampled token has q(x) = 0"
 
 
 class Checked(Drafter):
@@ -174,7 +175,8 @@ def check_sampling(target, make_drafter: Callable[[], Drafter], prompts: list[li
             accepted += sum(len(r.path) - 1 for r in stats.trace)
             seq = prompt + out
             with torch.no_grad():
-                all_logits = target.forward(torch.tensor([seq])).logits[0]  # [T, V] row j: token j + 1
+                ids = torch.tensor([seq], device=target.device)
+                all_logits = target.forward(ids).logits[0].float().cpu()  # [T, V] row j: token j + 1
             p_all = logits_to_probs(all_logits, temperature, top_k, top_p).double()  # [T, V]
             for r in stats.trace:
                 if not r.deterministic:
@@ -257,8 +259,8 @@ def _rank_bin_laws(target, prefixes: list[list[int]], tokens: list[int], tempera
     rows = []
     with torch.no_grad():
         for start in range(0, len(unique), 256):  # equal lengths: one batched forward per chunk
-            batch = torch.tensor(unique[start:start + 256])
-            rows.append(target.forward(batch).logits[:, -1])  # [b, V]
+            batch = torch.tensor(unique[start:start + 256], device=target.device)
+            rows.append(target.forward(batch).logits[:, -1].float().cpu())  # [b, V]; the statistics run on the host
     probs = logits_to_probs(torch.cat(rows), temperature, top_k, top_p).double()  # [U, V]
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [U, V]
     rank_of = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))  # [U, V]

@@ -4,6 +4,7 @@ a drafting slip causes (numpy only: no model)."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 from scipy import stats as scipy_stats
 
 from tests.decoding.conformance.checks import first_round_p_value
@@ -46,3 +47,28 @@ def test_a_small_shift_to_the_top_bin_is_seen():
     laws = _laws(rng)
     p, stats = first_round_p_value(laws, _draw(rng, laws, shift=0.25), samples=20_000)
     assert p < 1e-3, stats
+
+
+class _ElsewhereTarget:
+    """A target that reports another device than its inputs' default and refuses inputs not placed on it; its
+    logits come back on that device's stand-in (the CPU here), as a GPU target's would before ``.cpu()``."""
+
+    device = torch.device("meta")
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.seen: list[torch.device] = []
+
+    def forward(self, input_ids, *args, **kwargs):
+        self.seen.append(input_ids.device)
+        assert input_ids.device == self.device, f"input on {input_ids.device}, target on {self.device}"
+        return self.inner.forward(torch.zeros(input_ids.shape, dtype=torch.long), *args, **kwargs)
+
+
+def test_rank_bin_laws_send_their_prefixes_to_the_targets_device(tiny_target):
+    # On a CUDA target the harness once built its prefixes on the CPU and crashed (found by experiments/gpu_check).
+    from tests.decoding.conformance.checks import _rank_bin_laws
+
+    target = _ElsewhereTarget(tiny_target)
+    laws, bins = _rank_bin_laws(target, [[5, 6, 7], [5, 6, 8]], [1, 2], 1.0, None, None)
+    assert target.seen == [torch.device("meta")] and laws.shape[0] == 2 and bins.shape == (2,)
