@@ -57,3 +57,12 @@ def test_tiny_random_vocab_size_and_init_range():
     assert std == pytest.approx(0.02, rel=0.1) and default == pytest.approx(0.2, rel=0.1)
     with pytest.raises(ValueError, match="smaller than the tokenizer"):
         load_target("tiny_random", device="meta", vocab_size=100)
+
+
+def test_only_the_hf_backend_exists_in_process():
+    # Serving engines are servers (draftlab.serving), not target backends: a name other than hf is refused,
+    # with where to look instead.
+    from draftlab.targets import load_target
+
+    with pytest.raises(ValueError, match="known: hf; serving engines run as servers"):
+        load_target("tiny_random", backend="sglang")

