@@ -18,6 +18,13 @@ template that rejects its history) gets an error record with the reason and its 
 given up and reported by id. A later success supersedes earlier error records of the same id.
 An error that is the run's rather than a conversation's (inputs on another device than the weights)
 is not recorded: it ends the run.
+
+Engines. ``engine: hf`` generates with the target's own ``model.generate`` in batches; ``engine: server`` sends
+each turn as a chat completion to OpenAI-compatible servers (vLLM, SGLang), running or launched for the run
+(``draftlab.data.regen_server``). Both write the same records; ``meta.engine`` says which engine (and version)
+made a record and where its token counts come from (``generated`` by HF, returned by the ``server``, or
+``retokenized`` from the server's text). A server that cannot be reached or times out is the run's error (the
+run ends, the rerun resumes); a request the server rejects is that conversation's error (retried as above).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -55,10 +63,36 @@ class RegenConfig:
     max_batches: int | None = None
     # Attempts per conversation, over all runs, before a failing one is given up (reported by id).
     max_attempts: int = 3
+    # hf: the target's model.generate in batches; server: OpenAI-compatible servers (``server`` settings,
+    # see draftlab.data.regen_server.ServerSettings).
+    engine: str = "hf"
+    server: dict | None = None
 
     def __post_init__(self):
         if self.max_attempts < 1:
             raise ValueError(f"regen.max_attempts must be >= 1, got {self.max_attempts}")
+        if self.engine not in ("hf", "server"):
+            raise ValueError(f"regen.engine must be 'hf' or 'server', got {self.engine!r}")
+
+    def record_settings(self) -> dict:
+        """The settings written into each record (the server's addresses and limits are not the data's)."""
+        return {k: v for k, v in asdict(self).items() if k != "server"}
+
+
+# Settings that decide how far and how persistently runs go, or where requests are sent, not what they write.
+_EXECUTION_KEYS = ("max_batches", "max_attempts", "engine", "server")
+
+
+def regen_key_config(cfg: RegenConfig, engine_identity: dict | None = None) -> dict:
+    """The regeneration settings that enter the data key. HF generation keeps the key it always had; any other
+    engine adds its identity (name and version), so HF- and server-made data (or two engine versions) never
+    share a pool."""
+    key = {k: v for k, v in asdict(cfg).items() if k not in _EXECUTION_KEYS}
+    if cfg.engine != "hf":
+        if not engine_identity:
+            raise ValueError(f"regen.engine={cfg.engine} needs the engine's identity for the data key")
+        key["engine"] = {k: engine_identity[k] for k in ("name", "version")}
+    return key
 
 
 @dataclass
@@ -177,12 +211,174 @@ def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenConfig, eos_
     return results
 
 
-def regenerate(target, conversations: Sequence[Conversation], out_path: str | Path, cfg: RegenConfig | None = None,
-               *, progress: bool = True) -> RegenReport:
-    """Regenerate the assistant turns of ``conversations`` with ``target`` into ``out_path`` (resumable)."""
-    import time
+@dataclass
+class TurnRequest:
+    """One assistant turn to generate: the conversation, which turn, the history so far and its prompt ids."""
 
+    conv_id: str
+    turn: int
+    messages: list[dict]
+    prompt_ids: list[int]
+
+
+@dataclass
+class TurnResult:
+    """A generated turn: its text, the number of new tokens, why it stopped, and where the count comes from."""
+
+    text: str
+    new_tokens: int
+    finish: str
+    token_ids: str = "generated"  # generated (HF) | server | retokenized
+
+
+class HFEngine:
+    """The target's own ``model.generate``: each batch under a seed derived from (seed, batch index)."""
+
+    def __init__(self, target, cfg: RegenConfig):
+        import transformers
+
+        self.target, self.cfg = target, cfg
+        self.identity = {"name": "hf", "version": transformers.__version__}
+
+    def __enter__(self) -> HFEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def start_batch(self, batch_index: int) -> None:
+        torch.manual_seed(_batch_seed(self.cfg.seed, batch_index))
+
+    def generate(self, requests: list[TurnRequest]) -> list[TurnResult | Exception]:
+        tok = self.target.tokenizer
+        try:
+            outs = _generate(self.target.model, tok, [r.prompt_ids for r in requests], self.cfg,
+                             self.target.eos_token_ids)
+        except Exception as e:
+            if _is_run_error(e):
+                raise
+            return [e] * len(requests)
+        return [TurnResult(tok.decode(ids, skip_special_tokens=True), len(ids), why) for ids, why in outs]
+
+
+def open_engine(target, cfg: RegenConfig):
+    """The engine ``cfg.engine`` names, as a context manager (a launched server is stopped on leaving it)."""
+    if cfg.engine == "server":
+        from draftlab.data.regen_server import ServerEngine
+
+        return ServerEngine(target, cfg)
+    return HFEngine(target, cfg)
+
+
+@dataclass
+class _BatchState:
+    """Turn-by-turn progress of one batch of conversations."""
+
+    convs: list[Conversation]
+    history: list[list[dict]]
+    status: list[str | None]
+    reason: list[str]
+    finish: list[list[str]]
+    cursors: list[int]
+    new_tokens: list[list[int]]
+    token_ids: list[set]
+
+    @classmethod
+    def of(cls, convs: list[Conversation]) -> _BatchState:
+        n = len(convs)
+        return cls(convs, [[] for _ in convs], [None] * n, [""] * n, [[] for _ in convs], [0] * n,
+                   [[] for _ in convs], [set() for _ in convs])
+
+
+def _next_request(st: _BatchState, k: int, tok, cfg: RegenConfig) -> TurnRequest | None:
+    """Advance conversation ``k`` to its next assistant turn; the request for it, or None when it is settled."""
+    c, history = st.convs[k], st.history[k]
+    msgs, j = c.messages, st.cursors[k]
+    while j < len(msgs) and msgs[j]["role"] != "assistant":
+        history.append(dict(msgs[j]))
+        j += 1
+    st.cursors[k] = j
+    done_turns = sum(m["role"] == "assistant" for m in history)
+    if cfg.max_assistant_turns is not None and done_turns >= cfg.max_assistant_turns:
+        st.status[k] = "success"
+        return None
+    if j >= len(msgs):
+        st.status[k] = "success" if done_turns else "skipped"
+        st.reason[k] = st.reason[k] or "no assistant turn to regenerate"
+        return None
+    try:
+        p = _prompt_ids(tok, history)
+    except Exception as e:  # a template that rejects this history
+        st.status[k], st.reason[k] = "error", f"chat template failed: {type(e).__name__}: {e}"
+        return None
+    if len(p) > cfg.max_prompt_tokens:
+        # Later turns only grow: keep the turns regenerated so far if there are any.
+        st.status[k] = "success" if done_turns else "skipped"
+        st.reason[k] = f"prompt of {len(p)} tokens exceeds max_prompt_tokens={cfg.max_prompt_tokens}"
+        if done_turns:
+            st.finish[k].append("truncated_conversation")
+        return None
+    return TurnRequest(c.id, done_turns, [dict(m) for m in history], p)
+
+
+def _run_batch(engine, tok, convs: list[Conversation], cfg: RegenConfig, report: RegenReport) -> _BatchState:
+    """Turn-by-turn over the whole batch: turn j of every conversation that has one, in one engine call."""
+    st = _BatchState.of(convs)
+    while True:
+        active, requests = [], []
+        for k in range(len(convs)):
+            if st.status[k] is None and (req := _next_request(st, k, tok, cfg)) is not None:
+                active.append(k)
+                requests.append(req)
+        if not active:
+            return st
+        for k, res in zip(active, engine.generate(requests)):
+            if isinstance(res, Exception):
+                st.status[k], st.reason[k] = "error", f"generation failed: {type(res).__name__}: {res}"
+                continue
+            st.history[k].append({"role": "assistant", "content": res.text})
+            st.finish[k].append(res.finish)
+            st.new_tokens[k].append(res.new_tokens)
+            st.token_ids[k].add(res.token_ids)
+            report.new_tokens += res.new_tokens
+            st.cursors[k] += 1  # past the original assistant turn we replaced
+
+
+def _record(st: _BatchState, k: int, cfg: RegenConfig, target, engine, attempts: Counter) -> tuple[str, dict]:
+    c, kind = st.convs[k], st.status[k]
+    if kind == "success":
+        history = st.history[k]
+        # A training sample ends on an assistant answer: drop trailing user/system turns.
+        while history and history[-1]["role"] != "assistant":
+            history.pop()
+        sources = sorted(st.token_ids[k])
+        meta_engine = {**engine.identity, "token_ids": sources[0] if len(sources) == 1 else "+".join(sources)}
+        rec = {"id": c.id, "conversations": history,
+               "meta": {"finish": st.finish[k], "regen": cfg.record_settings(), "target": getattr(target, "name", None),
+                        "engine": meta_engine, "new_tokens": st.new_tokens[k]}}
+        if st.reason[k] and st.finish[k] and st.finish[k][-1] == "truncated_conversation":
+            rec["meta"]["note"] = st.reason[k]
+        return kind, rec
+    if kind == "skipped":
+        return kind, {"id": c.id, "reason": st.reason[k]}
+    attempts[c.id] += 1
+    if attempts[c.id] < cfg.max_attempts:
+        log.warning("conversation %s failed (attempt %d of %d; the next run retries it): %s",
+                    c.id, attempts[c.id], cfg.max_attempts, st.reason[k])
+    else:
+        log.error("conversation %s failed %d times, giving up: %s", c.id, attempts[c.id], st.reason[k])
+    return "error", {"id": c.id, "error": st.reason[k], "attempt": attempts[c.id]}
+
+
+def regenerate(target, conversations: Sequence[Conversation], out_path: str | Path, cfg: RegenConfig | None = None,
+               *, progress: bool = True, engine=None) -> RegenReport:
+    """Regenerate the assistant turns of ``conversations`` with ``target`` into ``out_path`` (resumable).
+
+    ``engine``: an open engine to use (default: the one ``cfg.engine`` names, opened and closed here)."""
     cfg = cfg or RegenConfig()
+    if engine is None:
+        with open_engine(target, cfg) as opened:
+            return regenerate(target, conversations, out_path, cfg, progress=progress, engine=opened)
     out_path = Path(out_path)
     err_path, skip_path = _side_paths(out_path)
     ids = [c.id for c in conversations]
@@ -195,98 +391,23 @@ def regenerate(target, conversations: Sequence[Conversation], out_path: str | Pa
     all_done = success | skipped | {i for i, n in attempts.items() if n >= cfg.max_attempts}
     report = RegenReport(input=len(conversations), resumed_done=len(all_done & set(ids)),
                          paths={"success": str(out_path), "error": str(err_path), "skipped": str(skip_path)})
-    writers = {"success": _Appender(out_path), "error": _Appender(err_path), "skipped": _Appender(skip_path)}
-    tok, model, eos = target.tokenizer, target.model, target.eos_token_ids
     bs = max(1, cfg.batch_size)
     batches = [list(range(i, min(i + bs, len(conversations)))) for i in range(0, len(conversations), bs)]
     todo = [(b, idx) for b, idx in enumerate(batches) if any(conversations[i].id not in all_done for i in idx)]
     if cfg.max_batches is not None:
         todo = todo[: cfg.max_batches]
+    writers = {"success": _Appender(out_path), "error": _Appender(err_path), "skipped": _Appender(skip_path)}
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="batch", disable=not progress)
     try:
         for b, idx in todo:
-            torch.manual_seed(_batch_seed(cfg.seed, b))
-            convs = [conversations[i] for i in idx]
-            # Turn-by-turn over the whole batch: turn j of every conversation that has one, in one generate call.
-            history: list[list[dict]] = [[] for _ in convs]
-            status: list[str | None] = [None] * len(convs)
-            reason: list[str] = [""] * len(convs)
-            finish: list[list[str]] = [[] for _ in convs]
-            cursors = [0] * len(convs)
-            while True:
-                active, prompts = [], []
-                for k, c in enumerate(convs):
-                    if status[k] is not None:
-                        continue
-                    msgs = c.messages
-                    j = cursors[k]
-                    while j < len(msgs) and msgs[j]["role"] != "assistant":
-                        history[k].append(dict(msgs[j]))
-                        j += 1
-                    cursors[k] = j
-                    done_turns = sum(m["role"] == "assistant" for m in history[k])
-                    if cfg.max_assistant_turns is not None and done_turns >= cfg.max_assistant_turns:
-                        status[k] = "success"
-                        continue
-                    if j >= len(msgs):
-                        status[k] = "success" if any(m["role"] == "assistant" for m in history[k]) else "skipped"
-                        reason[k] = reason[k] or "no assistant turn to regenerate"
-                        continue
-                    try:
-                        p = _prompt_ids(tok, history[k])
-                    except Exception as e:  # a template that rejects this history
-                        status[k], reason[k] = "error", f"chat template failed: {type(e).__name__}: {e}"
-                        continue
-                    if len(p) > cfg.max_prompt_tokens:
-                        # Later turns only grow: keep the turns regenerated so far if there are any.
-                        has_turn = any(m["role"] == "assistant" for m in history[k])
-                        status[k] = "success" if has_turn else "skipped"
-                        reason[k] = f"prompt of {len(p)} tokens exceeds max_prompt_tokens={cfg.max_prompt_tokens}"
-                        if has_turn:
-                            finish[k].append("truncated_conversation")
-                        continue
-                    active.append(k)
-                    prompts.append(p)
-                if not active:
-                    break
-                try:
-                    outs = _generate(model, tok, prompts, cfg, eos)
-                except Exception as e:
-                    if _is_run_error(e):
-                        raise
-                    for k in active:
-                        status[k], reason[k] = "error", f"generation failed: {type(e).__name__}: {e}"
-                    continue
-                for k, (new_ids, why) in zip(active, outs):
-                    history[k].append({"role": "assistant", "content": tok.decode(new_ids, skip_special_tokens=True)})
-                    finish[k].append(why)
-                    report.new_tokens += len(new_ids)
-                    cursors[k] += 1  # past the original assistant turn we replaced
-            for k, c in enumerate(convs):
-                if c.id in all_done:
-                    continue
-                st = status[k]
-                if st == "success":
-                    # A training sample ends on an assistant answer: drop trailing user/system turns.
-                    while history[k] and history[k][-1]["role"] != "assistant":
-                        history[k].pop()
-                    rec = {"id": c.id, "conversations": history[k],
-                           "meta": {"finish": finish[k], "regen": asdict(cfg), "target": getattr(target, "name", None)}}
-                    if reason[k] and finish[k] and finish[k][-1] == "truncated_conversation":
-                        rec["meta"]["note"] = reason[k]
-                elif st == "skipped":
-                    rec = {"id": c.id, "reason": reason[k]}
-                else:
-                    attempts[c.id] += 1
-                    rec = {"id": c.id, "error": reason[k], "attempt": attempts[c.id]}
-                    if attempts[c.id] < cfg.max_attempts:
-                        log.warning("conversation %s failed (attempt %d of %d; the next run retries it): %s",
-                                    c.id, attempts[c.id], cfg.max_attempts, reason[k])
-                    else:
-                        log.error("conversation %s failed %d times, giving up: %s", c.id, attempts[c.id], reason[k])
-                writers[st].write(rec)
-                all_done.add(c.id)  # within this run; a failure with attempts left is retried by the next
+            engine.start_batch(b)
+            st = _run_batch(engine, target.tokenizer, [conversations[i] for i in idx], cfg, report)
+            for k, c in enumerate(st.convs):
+                if c.id not in all_done:
+                    kind, rec = _record(st, k, cfg, target, engine, attempts)
+                    writers[kind].write(rec)
+                    all_done.add(c.id)  # within this run; a failure with attempts left is retried by the next
             bar.update(1)
             bar.set_postfix(tok_s=f"{report.new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
     finally:
@@ -294,7 +415,13 @@ def regenerate(target, conversations: Sequence[Conversation], out_path: str | Pa
         for w in writers.values():
             w.close()
     report.seconds = time.perf_counter() - t0
-    # Totals over all runs so far, so the invariant success + error + skipped (+ pending) == input is visible.
+    _final_counts(report, ids, out_path, err_path, skip_path, cfg)
+    return report
+
+
+def _final_counts(report: RegenReport, ids: list[str], out_path: Path, err_path: Path, skip_path: Path,
+                  cfg: RegenConfig) -> None:
+    """Totals over all runs so far, so the invariant success + error + skipped (+ pending) == input is visible."""
     idset = set(ids)
     success, skipped = _read_done_ids(out_path) & idset, _read_done_ids(skip_path) & idset
     attempts = Counter(i for i in _read_ids(err_path) if i in idset)
@@ -303,7 +430,6 @@ def regenerate(target, conversations: Sequence[Conversation], out_path: str | Pa
     report.failed_ids = [i for i in failing if attempts[i] >= cfg.max_attempts]
     report.retry_ids = [i for i in failing if attempts[i] < cfg.max_attempts]
     report.pending = report.input - report.success - report.error - report.skipped
-    return report
 
 
 def load_regenerated(path: str | Path, ids: Sequence[str] | None = None) -> list[Conversation]:

@@ -11,6 +11,7 @@ from draftlab.serving.client import (
     ServerError,
     ServerUnreachable,
     ServingError,
+    get_json,
     parse_completion,
 )
 from draftlab.serving.launcher import (
@@ -24,5 +25,5 @@ from draftlab.serving.launcher import (
 )
 
 __all__ = ["ChatClient", "Completion", "RequestTimeout", "ServerError", "ServerUnreachable", "ServingError",
-           "parse_completion", "SGLANG_HEALTH", "VLLM_HEALTH", "ServerProcess", "ServerStartError", "free_port",
+           "get_json", "parse_completion", "SGLANG_HEALTH", "VLLM_HEALTH", "ServerProcess", "ServerStartError", "free_port",
            "sglang_command", "vllm_command"]

@@ -140,6 +140,29 @@ def _post_json(url: str, path: str, payload: dict[str, Any], timeout: float,
         raise ServerError(f"{url}: answer is not JSON: {raw[:200]!r}", url, resp.status) from e
 
 
+def get_json(url: str, path: str, timeout: float = 10.0) -> dict[str, Any]:
+    """One blocking GET of a JSON document (``/version``, ``/v1/models``), failures as ``ServingError``s."""
+    parts = urlsplit(url)
+    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request("GET", parts.path.rstrip("/") + path)
+        resp = conn.getresponse()
+        raw = resp.read()
+    except TimeoutError as e:
+        raise RequestTimeout(f"{url}: no answer to GET {path} within {timeout:g} s", url) from e
+    except (OSError, http.client.HTTPException) as e:
+        raise ServerUnreachable(f"{url}: {type(e).__name__}: {e}", url) from e
+    finally:
+        conn.close()
+    if resp.status >= 400:
+        raise ServerError(f"{url}{path}: HTTP {resp.status}: {raw[:300].decode(errors='replace')}", url, resp.status)
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ServerError(f"{url}{path}: answer is not JSON: {raw[:200]!r}", url, resp.status) from e
+
+
 class ChatClient:
     """Async chat completions over one or more OpenAI-compatible servers (see the module docstring).
 

@@ -1,7 +1,8 @@
 """A tiny OpenAI-compatible stand-in server (stdlib ``http.server``) for tests and dry runs.
 
 It answers ``/v1/chat/completions`` by echoing the last user message (``"echo: <content>"``, the token ids
-being the answer's character codes, cut at ``max_tokens``), ``/health`` and ``/v1/models``. Faults are
+being the answer's character codes, cut at ``max_tokens``), ``/health``, ``/v1/models`` (owned by
+``draftlab-stub``) and ``/version`` (as vLLM does: ``{"version": ...}``). Faults are
 switches, so clients can be tested against them:
 
 - ``delay``: seconds to sleep before each answer (a slow server);
@@ -50,7 +51,10 @@ class _Handler(BaseHTTPRequestHandler):
             ready = time.monotonic() - stub.started >= stub.ready_after
             self._send(200 if ready else 503, {"ready": ready})
         elif self.path == "/v1/models":
-            self._send(200, {"object": "list", "data": [{"id": stub.model, "object": "model"}]})
+            self._send(200, {"object": "list",
+                             "data": [{"id": stub.model, "object": "model", "owned_by": "draftlab-stub"}]})
+        elif self.path == "/version":
+            self._send(200, {"version": stub.version})
         else:
             self._send(404, {"error": f"no route {self.path}"})
 
@@ -97,8 +101,10 @@ class StubServer:
     """The stand-in server, listening on ``host:port`` (0 picks a free port) once started."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, model: str = "stub", delay: float = 0.0,
-                 fail_first: int = 0, die_after: int | None = None, ready_after: float = 0.0):
+                 fail_first: int = 0, die_after: int | None = None, ready_after: float = 0.0,
+                 version: str = "stub-1"):
         self.model = model
+        self.version = version
         self.delay = delay
         self.fail_first = fail_first
         self.die_after = die_after
@@ -182,9 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ready-after", type=float, default=0.0)
     p.add_argument("--fail-first", type=int, default=0)
     p.add_argument("--die-after", type=int, default=None)
+    p.add_argument("--version", default="stub-1")
     args = p.parse_args(argv)
     stub = StubServer(host=args.host, port=args.port, model=args.model, delay=args.delay,
-                      ready_after=args.ready_after, fail_first=args.fail_first, die_after=args.die_after)
+                      ready_after=args.ready_after, fail_first=args.fail_first, die_after=args.die_after,
+                      version=args.version)
     print(f"stub serving on {stub.url}", flush=True)
     stub.started = time.monotonic()
     try:

@@ -15,7 +15,14 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from draftlab.data.regenerate import RegenConfig, RegenReport, load_regenerated, regenerate
+from draftlab.data.regen_server import engine_identity
+from draftlab.data.regenerate import (
+    RegenConfig,
+    RegenReport,
+    load_regenerated,
+    regen_key_config,
+    regenerate,
+)
 from draftlab.data.template import RenderedSample, RenderReport, render_conversations, require_chat_template
 from draftlab.data.vocab import VocabMapping, load_or_build_vocab_mapping, vocab_mapping_cache_key
 from draftlab.methods.registry import MethodSpec
@@ -88,14 +95,14 @@ def _run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
     if cfg.regen.enabled:
         rcfg = RegenConfig(**{k: v for k, v in OmegaConf.to_container(cfg.regen, resolve=True).items() if k != "enabled"},
                            seed=cfg.seed)
-        # max_batches only limits how far one invocation gets; it must not change where results live.
-        # max_batches / max_attempts only decide how far and how persistently runs go, not what they write.
-        key_cfg = {k: v for k, v in asdict(rcfg).items() if k not in ("max_batches", "max_attempts")}
+        # max_batches / max_attempts only decide how far and how persistently runs go, and the server settings
+        # where requests go, not what they write; a serving engine's name and version do enter the key.
+        key_cfg = regen_key_config(rcfg, engine_identity(rcfg))
         data_key = content_key(target_id, spec.fingerprint(), key_cfg)
         # One pool per (target, files, settings): a larger slice of the same files resumes a smaller one.
         pool_key = content_key(target_id, spec.pool_fingerprint(), key_cfg)
         regen_path = Path(cfg.paths.artifacts) / "regen" / pool_key / "regenerated.jsonl"
-        if ranks.is_main():
+        if ranks.is_main():  # only rank 0 regenerates (and starts a server, with regen.server.launch)
             regen_report = regenerate(target, convs, regen_path, rcfg)
             log.info("%s", regen_report)
         else:
