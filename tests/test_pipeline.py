@@ -125,8 +125,8 @@ def test_a_training_free_run_cannot_have_a_trained_baseline(tmp_path, monkeypatc
 def test_a_trained_baseline_drafts_from_the_runs_draft(tmp_path, monkeypatch, shared_data, tiny_target):
     # The hybrid (EAGLE-3 tree + suffix candidates) reads the EAGLE-3 artifact: it answers beside EAGLE-3
     # from the same draft weights, losslessly, in the same process.
-    from draftlab.export.native import save_native
     from draftlab.methods.eagle3 import Eagle3Draft
+    from draftlab.methods.eagle3.export.native import save_native
     from draftlab.stages.pipeline import run_pipeline
 
     _env(monkeypatch, tmp_path, shared_data)
@@ -174,8 +174,8 @@ def test_eval_of_a_trained_method_needs_a_draft(tmp_path, monkeypatch, shared_da
 
 
 def test_eval_loads_an_exported_draft(tmp_path, monkeypatch, shared_data, tiny_target):
-    from draftlab.export.native import save_native
     from draftlab.methods.eagle3 import Eagle3Draft
+    from draftlab.methods.eagle3.export.native import save_native
     from draftlab.stages.pipeline import run_pipeline
 
     _env(monkeypatch, tmp_path, shared_data)
@@ -237,8 +237,8 @@ def test_train_specbound_end_to_end_then_reuse(tmp_path, monkeypatch, shared_dat
 
 def test_continue_training_from_an_existing_draft(tmp_path, tiny_target):
     """``method.draft.init.from`` starts from a saved draft (weights and vocabulary); it enters the training key."""
-    from draftlab.export.native import save_native
     from draftlab.methods.eagle3 import Eagle3Draft
+    from draftlab.methods.eagle3.export.native import save_native
     from draftlab.methods.registry import MethodSpec
     from draftlab.stages.train import train_key
 

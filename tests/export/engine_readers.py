@@ -1,6 +1,6 @@
 """Exported directories read the way each serving engine reads them, to run a draft chain without the engine.
 
-The rules are those recorded in ``draftlab.export.native`` / ``draftlab.export.speculators`` (with the engine
+The rules are those recorded in ``draftlab.methods.eagle3.export.native`` / ``.speculators`` (with the engine
 source files they come from); nothing here uses draftlab's own loaders or the ``draftlab`` block:
 
 - which target hidden states are fed as aux features: ``capture`` holds, per feature, the decoder layer whose

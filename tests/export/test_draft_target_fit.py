@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from draftlab.export import convert, native
-from draftlab.export.convert import load_draft
-from draftlab.export.native import save_native
-from draftlab.export.speculators import save_speculators
 from draftlab.methods.eagle3 import Eagle3Draft
+from draftlab.methods.eagle3.export import convert, native
+from draftlab.methods.eagle3.export.convert import load_draft
+from draftlab.methods.eagle3.export.native import save_native
+from draftlab.methods.eagle3.export.speculators import save_speculators
 from draftlab.targets.tiny import tiny_random_target
 from draftlab.utils.errors import ArtifactError
 
@@ -41,7 +41,7 @@ def test_a_draft_for_another_hidden_size_is_refused_by_its_config(tmp_path, fmt,
 
 
 def test_a_lightning_checkpoint_for_another_target_is_refused_before_its_weights(tmp_path, monkeypatch):
-    from draftlab.export import lightning_ckpt
+    from draftlab.methods.eagle3.export import lightning as lightning_ckpt
     from tests.export.test_export_cli import write_lightning_checkpoint
 
     other = tiny_random_target(hidden_size=48, num_heads=4, num_kv_heads=2)

@@ -20,8 +20,8 @@ from engine_readers import (
 )
 
 from draftlab.data.vocab import build_vocab_mapping
-from draftlab.export import export_checkpoint, save_native, save_speculators, save_vllm
 from draftlab.methods.eagle3 import Eagle3Draft
+from draftlab.methods.eagle3.export import export_checkpoint, save_native, save_speculators, save_vllm
 from draftlab.targets.tiny import tiny_random_target
 
 STEPS = 3

@@ -10,7 +10,7 @@ import pytest
 import torch
 from export_testlib import draft_outputs, tiny_draft
 
-from draftlab.export import (
+from draftlab.methods.eagle3.export import (
     detect_source,
     draft_from_lightning_checkpoint,
     export_checkpoint,
@@ -94,7 +94,7 @@ def test_checkpoint_without_config_or_with_missing_weights(trained, tmp_path):
 
 
 def test_export_checkpoint_all_formats(trained, tiny_target, tmp_path):
-    from draftlab.export.convert import export_formats
+    from draftlab.methods.eagle3.export.convert import export_formats
 
     assert export_formats("both") == export_formats("all") == ["sglang", "vllm", "speculators"]
     assert export_formats("native") == ["sglang"]
@@ -250,7 +250,7 @@ def test_console_script_is_registered():
 def test_a_failed_validation_leaves_nothing_that_looks_valid(trained, tmp_path, monkeypatch):
     """Exports are written to a hidden sibling, validated there, then renamed: a failing validator leaves no
     output directory (and no temporary one), and an earlier good export in its place stays untouched."""
-    import draftlab.export.convert as convert
+    import draftlab.methods.eagle3.export.convert as convert
 
     _, ckpt = trained
     out = tmp_path / "out"

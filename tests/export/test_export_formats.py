@@ -9,7 +9,7 @@ import torch
 from export_testlib import AUX, FF, HD, HKV, VD, D, H, V, draft_outputs, edit_config, edit_tensors, tiny_draft
 from safetensors import safe_open
 
-from draftlab.export import (
+from draftlab.methods.eagle3.export import (
     load_native,
     load_speculators,
     save_native,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from export_testlib import VD, edit_config, edit_tensors, tiny_draft
 
-from draftlab.export import (
+from draftlab.methods.eagle3.export import (
     check_valid,
     save_native,
     save_speculators,

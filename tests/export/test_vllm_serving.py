@@ -27,8 +27,8 @@ PROMPTS = ["Write a short poem about the sea.", "Explain how a hash table works.
 
 
 def _draft(target):
-    from draftlab.export import load_draft
     from draftlab.methods.eagle3.build import build_draft
+    from draftlab.methods.eagle3.export import load_draft
 
     path = os.environ.get("DRAFTLAB_VLLM_DRAFT")
     if path:
@@ -81,7 +81,7 @@ def _vllm_acceptance(target_dir, export_dir, prompts: list[list[int]]) -> tuple[
 
 def test_vllm_accepts_what_draftlab_accepts(tmp_path):
     from draftlab.assets import fetch
-    from draftlab.export import save_vllm, validate_vllm
+    from draftlab.methods.eagle3.export import save_vllm, validate_vllm
     from draftlab.targets import load_target
 
     target_dir = fetch("smollm2-135m-instruct")

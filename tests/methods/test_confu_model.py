@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from draftlab.data.vocab import build_vocab_mapping
-from draftlab.export.native import save_native
 from draftlab.methods.confu import (
     ConFuConfig,
     ConFuDraft,
@@ -18,6 +17,7 @@ from draftlab.methods.confu import (
     naive_future_ttt_attention,
 )
 from draftlab.methods.eagle3 import Eagle3Draft, ttt_forward
+from draftlab.methods.eagle3.export.native import save_native
 
 VD = 128
 

@@ -112,8 +112,8 @@ def test_a_continued_draft_is_on_the_targets_device(meta_target, saved, name, fi
 
 
 def test_the_export_loaders_place_the_draft(meta_target, tiny_target, saved, tmp_path):
-    from draftlab.export import load_draft, load_speculators, save_speculators
-    from draftlab.export.lightning_ckpt import draft_from_lightning_checkpoint
+    from draftlab.methods.eagle3.export import load_draft, load_speculators, save_speculators
+    from draftlab.methods.eagle3.export.lightning import draft_from_lightning_checkpoint
 
     native = saved("eagle3")
     assert module_devices(load_draft(native, target=meta_target)) == {META}

@@ -1,4 +1,7 @@
-"""``draftlab-export``: write a trained EAGLE-3 draft in serving formats (see ``conf/export.yaml``)."""
+"""``draftlab-export``: write a trained draft in its method's serving formats (see ``conf/export.yaml``).
+
+``method=<m>`` (default eagle3) picks the formats, the writers and the validators: the method's ``export``
+block in ``conf/method/<m>.yaml``; this module only maps the command line onto ``draftlab.export``."""
 
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ def run_export(cfg: DictConfig) -> dict:
     from hydra.utils import instantiate
 
     from draftlab.export import export_checkpoint
+    from draftlab.methods.registry import MethodSpec
 
     source = str(cfg.target.get("source", ""))
     hub_name, hub_arch = _HUB_NAMES.get(source, (None, None))
@@ -50,17 +54,20 @@ def run_export(cfg: DictConfig) -> dict:
         hub_name = source
     verifier_arch = cfg.get("verifier_architectures")
     explicit_positions = cfg.get("max_position_embeddings")
+    # Each setting reaches the writers that take it (the EAGLE-3 ones read them all; DFlash's dtype and
+    # max_position_embeddings).
     return export_checkpoint(
-        cfg.checkpoint, cfg.output_dir, format=cfg.format, dtype=cfg.get("dtype"),
-        include_embedding=bool(cfg.include_embedding),
-        # Built only if the embedding must be written and the checkpoint lacks it, or if the target's
-        # config.json cannot be read for its context length.
+        MethodSpec(cfg.method), cfg.checkpoint, cfg.output_dir, format=str(cfg.format), validate=bool(cfg.validate),
+        # Built only where the method needs it: EAGLE-3 for an embedding the checkpoint lacks or for the
+        # context length when the target's config.json cannot be read; methods that share the target's
+        # weights (DFlash) always.
         target=lambda: instantiate(cfg.target),
+        dtype=cfg.get("dtype"), include_embedding=bool(cfg.include_embedding),
         verifier_config=target_config(source) if explicit_positions is None else None,
         max_position_embeddings=explicit_positions,
         verifier_name_or_path=cfg.get("verifier_name_or_path") or hub_name,
         verifier_architectures=OmegaConf.to_container(verifier_arch) if verifier_arch is not None else hub_arch,
-        speculative_tokens=int(cfg.speculative_tokens), validate=bool(cfg.validate))
+        speculative_tokens=int(cfg.speculative_tokens))
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="export")

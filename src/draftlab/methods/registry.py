@@ -12,7 +12,11 @@ pipeline supplies the run-time arguments)::
     data(samples=, features=, pad_token_id=, seed=)   its LightningDataModule
     features(target=, draft=, samples=, root=, key=)  offline target features -> a directory; null = online
     artifact.save(draft, out_dir, target=) / artifact.load(path, target=)   the trained-draft artifact
-    export.<format>(draft, out_dir, target=)          serving formats (``draftlab-export``)
+    export                          serving formats (``draftlab-export``):
+      formats.<f>(draft, out_dir, target=, ...)    writes format f (its other keywords: the export settings)
+      validate.<f>(path[, target=])                the problems found in a written f directory (none: valid)
+      aliases: {name: f | all}                     other names of formats
+      checkpoint(checkpoint, out, format=, target=, ...)   optional: the method's own checkpoint -> formats
     drafter(draft) | drafter()      the inference-time drafter the engine calls
     axes                            name -> dotted path in this config: the settings tables compare by
 
@@ -26,6 +30,7 @@ A method is then one folder under ``methods/`` plus its config files; a new one 
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -166,13 +171,80 @@ class MethodSpec:
     def load(self, path: Path, target):
         return instantiate(self._block("artifact").load)(path, target=target)
 
+    # ---- exports (``draftlab-export``) ---------------------------------------------------------------
+
+    def _export_part(self, key: str) -> dict[str, Any]:
+        return dict((self.block("export") or {}).get(key) or {})
+
+    @property
+    def export_formats(self) -> list[str]:
+        """The serving formats the ``export`` block declares, in its order."""
+        return [str(k) for k in self._export_part("formats")]
+
     @property
     def exporters(self) -> dict[str, Any]:
-        return {str(k): instantiate(v) for k, v in (self.block("export") or {}).items()}
+        """``{format: writer}``: each ``writer(draft, out_dir, target=, ...)``."""
+        return {str(k): instantiate(v) for k, v in self._export_part("formats").items()}
+
+    @property
+    def export_aliases(self) -> dict[str, str]:
+        """``{alias: format or 'all'}``."""
+        return {str(k): str(v) for k, v in self._export_part("aliases").items()}
+
+    def resolve_export_format(self, format: str) -> list[str]:
+        """The formats ``format`` stands for: one declared format, an alias of one, or ``all`` (every one).
+
+        ``ConfigError`` naming this method's formats for anything else."""
+        from draftlab.utils.errors import ConfigError
+
+        formats = self.export_formats
+        if not formats:
+            raise ConfigError(f"method '{self.name}' declares no export formats (conf/method/ 'export.formats')",
+                              field="format")
+        aliases = self.export_aliases
+        canonical = aliases.get(str(format), str(format))
+        if canonical == "all":
+            return formats
+        if canonical not in formats:
+            names = ", ".join([*formats, "all", *aliases])
+            raise ConfigError(f"method '{self.name}' has no export format '{format}'; its formats: {names}",
+                              field="format")
+        return [canonical]
+
+    def export(self, format: str, draft, out_dir: Path, *, target=None, **settings) -> Path:
+        """Write ``draft`` as ``format`` into ``out_dir``. ``settings`` (dtype, max_position_embeddings, ...)
+        reach the writer where it takes them; the others are left out (they belong to other methods' formats)."""
+        (fmt,) = self.resolve_export_format(format)
+        writer = instantiate(self._export_part("formats")[fmt])
+        return call_with_settings(writer, draft, out_dir, target=target, **settings)
+
+    def validate_export(self, format: str, path: Path, *, target=None) -> list[str]:
+        """Every problem the format's validator finds in ``path`` (empty: valid, or no validator declared)."""
+        (fmt,) = self.resolve_export_format(format)
+        node = self._export_part("validate").get(fmt)
+        if node is None:
+            return []
+        return list(call_with_settings(instantiate(node), path, target=target))
+
+    @property
+    def checkpoint_exporter(self):
+        """The method's own ``(checkpoint, output_dir, format=, target=, ...) -> {format: dir}``, or None
+        (then ``draftlab.export`` loads the checkpoint through the method and writes each format)."""
+        node = (self.block("export") or {}).get("checkpoint")
+        return None if node is None else instantiate(node)
 
     def build_drafter(self, draft=None):
         factory = instantiate(self._block("drafter"))
         return factory(draft) if self.trainable else factory
+
+
+def call_with_settings(fn, *args, **settings):
+    """``fn(*args, **settings)`` with only the keywords ``fn`` takes (all of them if it takes ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        settings = {k: v for k, v in settings.items() if k in names}
+    return fn(*args, **settings)
 
 
 def trained_method_config(draft_dir: Path | str | None) -> dict[str, Any] | None:

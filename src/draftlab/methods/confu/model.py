@@ -243,8 +243,8 @@ class ConFuDraft(Eagle3Draft):
     @classmethod
     def from_eagle3_export(cls, path: str | Path, *, target=None, generator: torch.Generator | None = None,
                            **confu: Any) -> ConFuDraft:
-        """Initialise from an EAGLE-3 export or checkpoint (anything ``export.convert.load_draft`` reads)."""
-        from draftlab.export.convert import load_draft
+        """Initialise from an EAGLE-3 export or checkpoint (anything ``methods.eagle3.export.load_draft`` reads)."""
+        from draftlab.methods.eagle3.export.convert import load_draft
 
         return cls.from_eagle3(load_draft(path, target=target), generator=generator, **confu)
 

@@ -27,7 +27,7 @@ def build_draft(*, target, vocab=None, taps: list[int] | None = None, init: dict
     init = {k: v for k, v in (init or {}).items() if v is not None}
     if init.get("from"):
         # Continue training an existing draft (its vocabulary mapping included): ConFu's "same steps" control.
-        from draftlab.export.convert import load_draft
+        from draftlab.methods.eagle3.export.convert import load_draft
 
         draft = load_draft(str(init["from"]), target=target).float()
         clash = {k: (v, getattr(draft.config, k)) for k, v in overrides.items() if getattr(draft.config, k) != v}
@@ -62,13 +62,13 @@ def init_head_from_target(draft: Eagle3Draft, target) -> None:
 
 def save_artifact(draft: Eagle3Draft, out_dir: str | Path, *, target) -> Path:
     """The trained draft as a native SGLang/vLLM EAGLE-3 directory."""
-    from draftlab.export.native import save_native
+    from draftlab.methods.eagle3.export.native import save_native
 
     return save_native(draft, out_dir, verifier=target)
 
 
 def load_artifact(path: str | Path, *, target) -> Eagle3Draft:
     """A native / speculators directory or a Lightning checkpoint of an EAGLE-3 draft."""
-    from draftlab.export.convert import load_draft
+    from draftlab.methods.eagle3.export.convert import load_draft
 
     return load_draft(path, target=target)

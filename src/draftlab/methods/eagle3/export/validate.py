@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from draftlab.export.common import (
+from draftlab.methods.eagle3.config import Eagle3Config
+from draftlab.methods.eagle3.export.common import (
     BIN_FILE,
     EMBED_KEY,
     FOREIGN_PREFIXES,
@@ -32,8 +33,7 @@ from draftlab.export.common import (
     vllm_layer_prefix,
     weights_file,
 )
-from draftlab.export.native import native_engine
-from draftlab.methods.eagle3.config import Eagle3Config
+from draftlab.methods.eagle3.export.native import native_engine
 from draftlab.targets.base import LayerConvention, to_convention
 
 FORMATS = ("sglang", "vllm", "speculators", "native")

@@ -54,7 +54,7 @@ vLLM (``speculative_config={"method": "eagle3", "model": <dir>}``), variant ``vl
   caps the draft's context (``SpeculativeConfig._maybe_override_draft_max_model_len`` in
   vllm/config/speculative.py takes the smaller of draft and target): it is the target's value, not a default.
 
-The speculators variant (``vllm serve <dir>``) is in ``draftlab.export.speculators``.
+The speculators variant (``vllm serve <dir>``) is in ``draftlab.methods.eagle3.export.speculators``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ from typing import Any
 
 import torch
 
-from draftlab.export.common import (
+from draftlab.methods.eagle3.config import Eagle3Config, rope_from_hf_config
+from draftlab.methods.eagle3.export.common import (
     NATIVE_ARCHITECTURE,
     assemble_draft,
     default_ids_from_target,
@@ -82,7 +83,6 @@ from draftlab.export.common import (
     verifier_info,
     write_hf_dir,
 )
-from draftlab.methods.eagle3.config import Eagle3Config, rope_from_hf_config
 from draftlab.methods.eagle3.model import Eagle3Draft
 from draftlab.targets.base import LayerConvention, to_convention
 from draftlab.utils.logging import get_logger
@@ -201,14 +201,20 @@ def save_native(draft: Eagle3Draft, out_dir: str | Path, *, dtype: str | torch.d
     return write_hf_dir(out_dir, config, tensors)
 
 
-def save_sglang(draft: Eagle3Draft, out_dir: str | Path, **kwargs) -> Path:
+def save_sglang(draft: Eagle3Draft, out_dir: str | Path, *, dtype: str | torch.dtype | None = None,
+                include_embedding: bool = False, verifier=None, max_position_embeddings: int | None = None,
+                target=None) -> Path:
     """``save_native(..., engine="sglang")``: the directory SGLang and SpecForge read as trained."""
-    return save_native(draft, out_dir, engine="sglang", **kwargs)
+    return save_native(draft, out_dir, engine="sglang", dtype=dtype, include_embedding=include_embedding,
+                       verifier=verifier, max_position_embeddings=max_position_embeddings, target=target)
 
 
-def save_vllm(draft: Eagle3Draft, out_dir: str | Path, **kwargs) -> Path:
+def save_vllm(draft: Eagle3Draft, out_dir: str | Path, *, dtype: str | torch.dtype | None = None,
+              include_embedding: bool = False, verifier=None, max_position_embeddings: int | None = None,
+              target=None) -> Path:
     """``save_native(..., engine="vllm")``: the directory vLLM's ``method: eagle3`` reads as trained."""
-    return save_native(draft, out_dir, engine="vllm", **kwargs)
+    return save_native(draft, out_dir, engine="vllm", dtype=dtype, include_embedding=include_embedding,
+                       verifier=verifier, max_position_embeddings=max_position_embeddings, target=target)
 
 
 def native_engine(cfg: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ vLLM reads it in ``update_eagle3`` (vllm/transformers_utils/configs/speculators/
 ``draft_vocab_size``, ``target_hidden_size``, ``norm_before_residual`` (default **True**), the top-level
 ``eagle_aux_hidden_state_layer_ids`` and, in recent releases, ``norm_before_fc``, ``fc_norm`` and
 ``norm_output`` (default False) onto the config of ``Eagle3LlamaForCausalLM``; from there the keys are read
-as in the ``vllm`` native variant (see ``draftlab.export.native``): the ids are ``input_to``.
+as in the ``vllm`` native variant (see ``draftlab.methods.eagle3.export.native``): the ids are ``input_to``.
 
 ``norm_before_residual`` is always written: vLLM assumes True when a speculators config omits it, while
 native EAGLE-3 drafts use False.
@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from draftlab.export.common import (
+from draftlab.methods.eagle3.config import Eagle3Config, rope_from_hf_config
+from draftlab.methods.eagle3.export.common import (
     SPECULATORS_ARCHITECTURE,
     SPECULATORS_VERSION,
     assemble_draft,
@@ -46,7 +47,6 @@ from draftlab.export.common import (
     verifier_info,
     write_hf_dir,
 )
-from draftlab.methods.eagle3.config import Eagle3Config, rope_from_hf_config
 from draftlab.methods.eagle3.model import Eagle3Draft
 from draftlab.targets.base import LayerConvention, to_convention
 from draftlab.utils.logging import get_logger

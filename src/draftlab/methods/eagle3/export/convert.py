@@ -16,17 +16,17 @@ from typing import Any
 
 import torch
 
-from draftlab.export.common import (
+from draftlab.methods.eagle3.export.common import (
     CONFIG_FILE,
     is_target_factory,
     read_config,
     resolve_max_positions,
     verifier_info,
 )
-from draftlab.export.lightning_ckpt import draft_from_lightning_checkpoint, read_lightning_config
-from draftlab.export.native import load_native, save_native
-from draftlab.export.speculators import load_speculators, save_speculators
-from draftlab.export.validate import check_valid
+from draftlab.methods.eagle3.export.lightning import draft_from_lightning_checkpoint, read_lightning_config
+from draftlab.methods.eagle3.export.native import load_native, save_native
+from draftlab.methods.eagle3.export.speculators import load_speculators, save_speculators
+from draftlab.methods.eagle3.export.validate import check_valid
 from draftlab.methods.eagle3.model import Eagle3Draft
 from draftlab.utils.atomic import atomic_dir
 from draftlab.utils.errors import ArtifactError
