@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from draftlab.data.regenerate import RegenConfig, regenerate
-from draftlab.data.sources import ConversationSource
+from draftlab.data.sources import ConversationSource, DataSpec
 from draftlab.targets import load_target
 
 SHAREGPT = Path(__file__).resolve().parents[2].parent / "shared/data/conversations/sharegpt_v3_first5000.jsonl"
@@ -58,7 +58,8 @@ def _summary(report, extra: dict) -> dict:
 def main(argv=None) -> dict:
     a = _args(argv)
     torch.set_num_threads(a.hf_threads)
-    convs = ConversationSource(path=a.data, format="sharegpt", name="sharegpt", limit=a.n).load()
+    # Normalised as the data stage does (leading assistant turns re-anchored, empty turns dropped).
+    convs, _ = DataSpec(sources=[ConversationSource(path=a.data, format="sharegpt", name="sharegpt", limit=a.n)]).load()
     target = load_target("asset:smollm2-135m-instruct")
     work = Path(a.workdir or tempfile.mkdtemp(prefix="regen_bench-"))
     shutil.rmtree(work / "hf", ignore_errors=True)
