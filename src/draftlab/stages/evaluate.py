@@ -56,7 +56,10 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
     ``draft``: the run's trained draft (None for a training-free method), for trainable baselines;
     ``draft_dir``: its artifact, whose training config gives the axes on training settings."""
     from draftlab.eval.runner import format_comparison, format_table, run_benchmark
+    from draftlab.eval.served import check_engine, served_evaluate
 
+    if check_engine(cfg) != "draftlab":  # a serving engine: the run's draft exported, served, compared
+        return served_evaluate(cfg, target, draft, draft_dir, run_dir)
     spec = MethodSpec(cfg.method)
     timing = eval_timing(cfg)
     bench = instantiate(cfg.bench, _convert_="object")
@@ -106,7 +109,10 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
 
 
 def eval_timing(cfg: DictConfig) -> str:
-    """``eval.timing`` (default ``wall``), checked before anything decodes."""
+    """``eval.timing`` (default ``wall``), checked before anything decodes (with ``eval.engine``)."""
+    from draftlab.eval.served import check_engine
+
+    check_engine(cfg)
     timing = cfg.eval.get("timing", "wall")
     if timing not in TIMINGS:
         raise ConfigError(f"expected one of {', '.join(TIMINGS)}, got {timing!r}", field="eval.timing")
