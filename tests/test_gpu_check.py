@@ -25,7 +25,7 @@ def test_gpu_check_runs_every_part_on_cpu(tmp_path, shared_data):
     assert status == {"env": "passed", "pytest_gpu": "skipped", "conformance": "passed", "lossless": "passed",
                       "bf16_greedy": "passed", "train": "passed", "llama8b": "passed"}, status
     assert results["lossless"]["methods"]["eagle3"]["greedy_accepted"] > 0
-    assert set(results["train"]) == {"online", "offline"}
+    assert {"online", "offline"} <= set(results["train"])
     assert results["train"]["online"]["draft_sha256"] != results["train"]["offline"]["draft_sha256"]
     assert results["llama8b"]["decode"]["engine_ar_tok_s"] > 0
     assert (tmp_path / "summary.md").read_text().startswith("# GPU check")
