@@ -19,6 +19,10 @@ draftlab's τ and per-position acceptance on the same prompts and chain length.
 Parity check: a paired bootstrap over prompts (resample prompts with replacement, τ of each side as
 1 + Σaccepted / Σdrafts over the resample) gives a CI of τ_served - τ_draftlab; a CI that excludes 0 is
 flagged. It is a hint, not a diagnosis: the printed checklist names the usual causes.
+
+``eval.engine=sglang`` launches ``sglang.launch_server`` the same way (a chain: ``--speculative-eagle-topk 1``);
+SGLang's metrics have other names, so there only outputs and tok/s come back. Here (no GPU) it fails at once
+with the command it would run.
 """
 
 from __future__ import annotations
