@@ -8,33 +8,14 @@ The EAGLE-3 training module stores the draft under its ``draft`` attribute, so `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.methods.eagle3.export.common import assemble_draft
 from draftlab.methods.eagle3.model import Eagle3Draft
+from draftlab.training.checkpoint import draft_state, read_checkpoint
 from draftlab.utils.errors import ArtifactError
-
-DRAFT_PREFIX = "draft."
-# torch.compile wraps the module and inserts this component into every name.
-_COMPILED = "_orig_mod."
-
-
-def _load(path: Path, *, mmap: bool) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    try:
-        # Lightning checkpoints pickle hyper-parameters and loop state, so weights_only loading refuses
-        # them; only load checkpoints you trust. mmap maps the tensors without reading them.
-        ckpt: Any = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except Exception as e:  # truncated zips, bad pickles and short reads raise unrelated types
-        raise ArtifactError(f"cannot read Lightning checkpoint (truncated or corrupt?): {type(e).__name__}: {e}",
-                            file=path) from e
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise ArtifactError("not a Lightning checkpoint (no 'state_dict')", file=path)
-    return ckpt
 
 
 def _config(ckpt: dict, path: Path) -> Eagle3Config:
@@ -49,22 +30,16 @@ def _config(ckpt: dict, path: Path) -> Eagle3Config:
 def read_lightning_config(path: str | Path) -> Eagle3Config:
     """The draft config of a Lightning ``.ckpt``, without reading its weights (they are memory-mapped)."""
     path = Path(path)
-    return _config(_load(path, mmap=True), path)
+    return _config(read_checkpoint(path, mmap=True), path)
 
 
 def read_lightning_checkpoint(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     """``(config, draft tensors under native names)`` from a Lightning ``.ckpt``; clear errors naming the file."""
     path = Path(path)
-    ckpt = _load(path, mmap=False)
+    ckpt = read_checkpoint(path)
     config = _config(ckpt, path)
-    tensors = {}
-    for key, t in ckpt["state_dict"].items():
-        if not key.startswith(DRAFT_PREFIX):
-            continue  # other modules of the training module (e.g. loss buffers) are not part of the draft
-        name = key.removeprefix(DRAFT_PREFIX).replace(_COMPILED, "")
-        tensors[name] = t
-    if not tensors:
-        raise ValueError(f"{path}: state_dict has no '{DRAFT_PREFIX}*' entries")
+    # Other modules of the training module (e.g. loss buffers) are not part of the draft.
+    tensors = draft_state(ckpt, path)
     return config, tensors
 
 
