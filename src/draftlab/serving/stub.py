@@ -74,6 +74,7 @@ class _Handler(BaseHTTPRequestHandler):
             stub.admitted += not dead
             stub.in_flight += 1
             stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
+        status = body = None
         try:
             if dead:
                 stub.kill()
@@ -81,15 +82,14 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if stub.delay:
                 time.sleep(stub.delay)
-            if nth <= stub.fail_first:
-                self._send(503, {"error": "overloaded"})
-                return
-            self._send(200, stub.answer(request))
-            with stub.lock:
-                stub.served += 1
+            status, body = (503, {"error": "overloaded"}) if nth <= stub.fail_first else (200, stub.answer(request))
         finally:
+            # Out of flight once the answer is ready, before it is sent: the client may hold its slot only until
+            # it has read the answer, and then send the next request while this thread is still writing.
             with stub.lock:
                 stub.in_flight -= 1
+                stub.served += status == 200  # counted before the client can see the answer
+        self._send(status, body)
 
 
 class _StubHTTPServer(ThreadingHTTPServer):
