@@ -120,6 +120,14 @@ def test_eval_engine_composes_with_served_settings():
     assert set(cfg.eval.served) == set(served.DEFAULTS)  # conf/eval.yaml and the code defaults agree
     train = _compose(["eval.engine=vllm"], name="train")  # a train run has no served block: code defaults
     assert served.served_settings(train)["chain"]["depth"] == 3
+    dflash = _compose(["eval.engine=vllm", "eval.served.num_speculative_tokens=5", "method=dflash"])
+    assert served.served_settings(dflash)["chain"] == {"block_size": 6}  # the method's chain: k + 1 slots
+    assert served.serve_plan(dflash, "vllm") == {"format": "dflash", "method": "dflash"}
+    assert served.serve_plan(cfg, "sglang") == {"format": "sglang", "method": "EAGLE3"}
+    given = _compose(["eval.engine=vllm", "method=eagle3", "eval.served.chain={top_k: 2, depth: 3, total_tokens: 5}"])
+    assert served.served_settings(given)["chain"] == {"top_k": 2, "depth": 3, "total_tokens": 5}
+    with pytest.raises(ConfigError, match=r"no way for vllm to serve.*conf/method/confu.yaml"):
+        served.check_engine(_compose(["eval.engine=vllm", "method=confu"]))
     assert served.check_engine(_compose([], name="train")) == "draftlab"
     with pytest.raises(ConfigError, match="eval.engine"):
         served.check_engine(_compose(["eval.engine=tgi"]))

@@ -13,8 +13,10 @@ prompts one at a time, greedily (T=0, batch 1, as draftlab decodes). Per prompt 
   this), the bonus token included, which is Spec-Bench's τ and ``DecodeStats.tau`` (tokens per round).
 
 The same first turns then go through draftlab's engine with the run's drafter configured as a chain of ``k``
-(``eval.served.chain``: the drafter knobs that make one, e.g. ``top_k=1, depth=k, total_tokens=k``), giving
-draftlab's τ and per-position acceptance on the same prompts and chain length.
+(the method's ``export.serve.chain(k)``, e.g. EAGLE-3 ``top_k=1, depth=k, total_tokens=k``, DFlash
+``block_size=k+1``; ``eval.served.chain`` overrides it), giving draftlab's τ and per-position acceptance on the
+same prompts and chain length. Which export format an engine reads and what it calls the method come from the
+same block (``export.serve.<engine>: {format, method}``), so the stage names no method.
 
 Parity check: a paired bootstrap over prompts (resample prompts with replacement, τ of each side as
 1 + Σaccepted / Σdrafts over the resample) gives a CI of τ_served - τ_draftlab; a CI that excludes 0 is
@@ -54,7 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "python": None, "urls": None, "num_speculative_tokens": 3, "prompts": 6, "max_tokens": 64,
     "dtype": "float32", "max_model_len": 2048, "startup_timeout": 1200, "request_timeout": 600,
     "env": {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"},
-    "extra": [], "chain": {"top_k": 1, "depth": None, "total_tokens": None}, "bootstrap": 2000, "level": 0.95,
+    "extra": [], "chain": None, "bootstrap": 2000, "level": 0.95,
 }
 
 CHECKLIST = (
@@ -297,16 +299,34 @@ def format_served(rec: dict[str, Any], engine: str = "vllm") -> str:
 
 # -- the stage side: settings, servers, export ----------------------------------------------------------------
 
+def serve_plan(cfg: DictConfig, engine: str) -> dict[str, str]:
+    """The method's ``export.serve.<engine>``: ``{format, method}`` (the export format the engine reads and the
+    engine's name for the method)."""
+    name = cfg.method.get("name", "?")
+    plan = OmegaConf.select(cfg.method, f"export.serve.{engine}")
+    if plan is None or not {"format", "method"} <= set(plan):
+        raise ConfigError(f"method '{name}' declares no way for {engine} to serve its draft "
+                          f"(export.serve.{engine}: {{format, method}} in conf/method/{name}.yaml)",
+                          field="eval.engine")
+    return {"format": str(plan.format), "method": str(plan.method)}
+
+
+def _method_chain(cfg: DictConfig, k: int) -> dict[str, Any] | None:
+    from hydra.utils import instantiate
+
+    node = OmegaConf.select(cfg.method, "export.serve.chain")
+    return dict(instantiate(node)(k)) if node is not None else None
+
+
 def served_settings(cfg: DictConfig) -> dict[str, Any]:
-    """``eval.served`` over ``DEFAULTS``; the chain's depth and size default to ``num_speculative_tokens``."""
+    """``eval.served`` over ``DEFAULTS``; the chain defaults to the method's chain of ``num_speculative_tokens``."""
     block = cfg.eval.get("served")
     given = OmegaConf.to_container(block, resolve=True) if block is not None else {}
     unknown = set(given) - set(DEFAULTS)
     if unknown:
         raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}", field="eval.served")
     s = {**DEFAULTS, **given}
-    k = int(s["num_speculative_tokens"])
-    s["chain"] = {key: (k if v is None else v) for key, v in {**DEFAULTS["chain"], **(given.get("chain") or {})}.items()}
+    s["chain"] = dict(given.get("chain") or _method_chain(cfg, int(s["num_speculative_tokens"])) or {})
     return s
 
 
@@ -315,7 +335,8 @@ def check_engine(cfg: DictConfig) -> str:
     if engine not in ENGINES:
         raise ConfigError(f"expected one of {', '.join(ENGINES)}, got {engine!r}", field="eval.engine")
     if engine != "draftlab":
-        served_settings(cfg)  # an unknown eval.served key fails now, not after training
+        served_settings(cfg)  # an unknown eval.served key, or a method no engine serves, fails now, not after training
+        serve_plan(cfg, engine)
     return engine
 
 
@@ -325,6 +346,9 @@ def chain_drafter(cfg: DictConfig, draft, chain: dict[str, Any]):
 
     method = OmegaConf.create(OmegaConf.to_container(cfg.method, resolve=False))
     knobs = method.get("drafter") or {}
+    if not chain:
+        raise ConfigError(f"method '{method.name}' declares no served chain (export.serve.chain); set "
+                          "eval.served.chain to the drafter knobs that make a chain of k tokens", field="eval.served.chain")
     missing = [key for key in chain if key not in knobs]
     if missing:
         raise ConfigError(f"method '{method.name}' drafter has no {missing}: cannot configure it as a chain "
@@ -363,7 +387,7 @@ def _server(engine: str, model: str, s: dict[str, Any], draft_dir: Path | None, 
                            served_model_name="target", speculative_config=spec, python=python, extra=s["extra"])
         health = VLLM_HEALTH
     else:
-        cmd = sglang_command(model, port=port, dtype=s["dtype"], draft_model_path=draft_dir, algorithm=method.upper(),
+        cmd = sglang_command(model, port=port, dtype=s["dtype"], draft_model_path=draft_dir, algorithm=method,
                              num_steps=k, eagle_topk=1, num_draft_tokens=k + 1, served_model_name="target",
                              python=python, extra=s["extra"])
         health = SGLANG_HEALTH
@@ -397,7 +421,7 @@ def served_evaluate(cfg: DictConfig, target, draft, draft_dir: Path | None, run_
     from draftlab.utils.atomic import atomic_write_text
 
     engine, s = check_engine(cfg), served_settings(cfg)
-    spec = MethodSpec(cfg.method)
+    spec, plan = MethodSpec(cfg.method), serve_plan(cfg, engine)
     if draft is None or draft_dir is None:
         raise ConfigError(f"eval.engine={engine} serves a trained draft; method '{spec.name}' has none",
                           field="eval.engine")
@@ -407,10 +431,11 @@ def served_evaluate(cfg: DictConfig, target, draft, draft_dir: Path | None, run_
     prompts = [q.turns[0] for q in bench.load(tokenizer=target.tokenizer)[: int(s["prompts"])]]
     model = str(getattr(target.model.config, "_name_or_path", "") or target.name)
     export_dir = None
-    require_engine(engine, s, model, out / f"draft_{engine}", spec.name)
+    require_engine(engine, s, model, out / f"draft_{engine}", plan["method"])
     if not s["urls"]:
-        export_dir = export_checkpoint(spec, draft_dir, out / f"draft_{engine}", format=engine, target=target)[engine]
-    plain, served = _serve_both(engine, model, s, export_dir, spec.name, out, prompts)
+        fmt = plan["format"]
+        export_dir = export_checkpoint(spec, draft_dir, out / f"draft_{engine}", format=fmt, target=target)[fmt]
+    plain, served = _serve_both(engine, model, s, export_dir, plan["method"], out, prompts)
     k = int(s["num_speculative_tokens"])
     chain = draftlab_chain(target, chain_drafter(cfg, draft, s["chain"]), prompts, k=k, max_tokens=int(s["max_tokens"]))
     rec = compare(plain, served, chain, k=k, stop_ids=set(target.eos_token_ids), resamples=int(s["bootstrap"]),

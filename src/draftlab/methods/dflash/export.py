@@ -363,3 +363,9 @@ def load(path: str | Path, *, target, dtype: str | torch.dtype | None = None) ->
     draft.load_state_dict(tensors, strict=True)
     draft.share_target_weights(target)
     return draft
+
+
+def chain_knobs(k: int) -> dict[str, int]:
+    """The drafter knobs of a served DFlash chain of ``k`` tokens: one block of ``k + 1`` slots (the engines put
+    the bonus token's query first, then ``k`` mask queries, as the drafter's root + ``block_size - 1``)."""
+    return {"block_size": int(k) + 1}

@@ -27,6 +27,13 @@ from draftlab.methods.eagle3.export.validate import (
     validate_vllm,
 )
 
-__all__ = ["EXPORT_FORMATS", "check_valid", "detect_source", "draft_from_lightning_checkpoint", "export_checkpoint",
+
+def chain_knobs(k: int) -> dict[str, int]:
+    """The drafter knobs of a chain of ``k`` draft tokens: what a served ``num_speculative_tokens: k`` drafts
+    (one candidate per depth), so draftlab's τ is measured on the same shape as the engine's."""
+    return {"top_k": 1, "depth": int(k), "total_tokens": int(k)}
+
+
+__all__ = ["EXPORT_FORMATS", "chain_knobs", "check_valid", "detect_source", "draft_from_lightning_checkpoint", "export_checkpoint",
            "load_draft", "load_native", "load_speculators", "save_native", "save_sglang", "save_speculators",
            "save_vllm", "validate_native", "validate_sglang", "validate_speculators", "validate_vllm"]
