@@ -14,10 +14,13 @@ from hydra.core.global_hydra import GlobalHydra
 from stub_metrics import SpecStub
 
 from draftlab.eval import served
-from draftlab.eval.served import (
+from draftlab.eval.served_metrics import (
+    ChainAnswer,
+    ServedAnswer,
     SpecCounters,
     chain_counters,
     compare,
+    format_chains,
     format_served,
     parity_check,
     parse_spec_counters,
@@ -63,7 +66,7 @@ def test_chain_counters_count_draftlab_rounds_as_vllm_does():
 
 
 def _chain(plan, prompts, ids=None):
-    return [served.ChainAnswer(list(map(ord, p)), ids[p] if ids else [ord(c) for c in "echo: " + p][:8], 1.0,
+    return [ChainAnswer(list(map(ord, p)), ids[p] if ids else [ord(c) for c in "echo: " + p][:8], 1.0,
                                chain_counters([a + 1 for a in plan(p)], 3)) for p in prompts]
 
 
@@ -77,6 +80,24 @@ def test_identical_outputs_are_counted_against_plain_and_draftlab():
     assert rec["same_tokens_as_draftlab"] == 4 and rec["same_prompt_ids"] == 6
     assert rec["served"]["tau"] == rec["draftlab"]["tau"] == pytest.approx(2.5)
     assert "identical to vllm plain: 4/6" in format_served(rec)
+
+
+def test_speedups_are_aggregate_token_rates_side_by_side():
+    def ans(tokens, seconds):
+        return ServedAnswer(None, "", None, seconds, tokens / seconds, SpecCounters(), tokens)
+
+    def run(tokens, seconds):
+        return ChainAnswer([], [0] * tokens, tokens / seconds, SpecCounters(), seconds)
+
+    plain, spec = [ans(10, 1.0), ans(30, 1.0)], [ans(10, 0.5), ans(30, 1.5)]  # Σ 40 / 2 s vs Σ 40 / 2 s
+    ar, chain = [run(10, 2.0), run(10, 2.0)], [run(10, 1.0), run(10, 1.0)]
+    rec = compare(plain, spec, chain, k=3, resamples=50, ar=ar)
+    assert rec["speed"]["served_speedup"] == pytest.approx(1.0)  # per-prompt means would say 1.33
+    assert rec["speed"]["draftlab_speedup"] == pytest.approx(2.0)
+    assert compare(plain, spec, chain, k=3, resamples=50)["speed"]["draftlab_speedup"] is None
+    rec2 = compare(plain, spec, chain, k=2, resamples=50, ar=ar)
+    lines = format_chains([rec2, rec]).splitlines()
+    assert len(lines) == 3 and lines[1].split()[0] == "2" and lines[2].split()[-2:] == ["1.00", "2.00"]
 
 
 def _counters(rates: list[tuple[int, int]]) -> list[SpecCounters]:
@@ -122,6 +143,13 @@ def test_eval_engine_composes_with_served_settings():
     assert served.served_settings(train)["chain"]["depth"] == 3
     dflash = _compose(["eval.engine=vllm", "eval.served.num_speculative_tokens=5", "method=dflash"])
     assert served.served_settings(dflash)["chain"] == {"block_size": 6}  # the method's chain: k + 1 slots
+    several = _compose(["eval.engine=vllm", "eval.served.num_speculative_tokens=[1,3]", "method=dflash"])
+    assert served.served_settings(several)["chains"] == {1: {"block_size": 2}, 3: {"block_size": 4}}
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        served.check_engine(_compose(["eval.engine=vllm", "eval.served.num_speculative_tokens=[2,0]"]))
+    with pytest.raises(ConfigError, match="several lengths"):
+        served.check_engine(_compose(["eval.engine=vllm", "eval.served.num_speculative_tokens=[1,2]",
+                                      "eval.served.chain={top_k: 1}"]))
     assert served.serve_plan(dflash, "vllm") == {"format": "dflash", "method": "dflash"}
     assert served.serve_plan(cfg, "sglang") == {"format": "sglang", "method": "EAGLE3"}
     given = _compose(["eval.engine=vllm", "method=eagle3", "eval.served.chain={top_k: 2, depth: 3, total_tokens: 5}"])
@@ -176,7 +204,7 @@ def test_served_vs_draftlab_on_a_tiny_export(tmp_path, shared_data):
                     "eval.served.prompts=2", "eval.served.max_tokens=24", "bench=specbench",
                     f"paths.output_dir={tmp_path}", f"paths.shared_data={shared_data}"])
     record = run_pipeline(cfg, stage="eval")
-    rec = record["eval"]["served"]
+    (rec,) = record["eval"]["served"]
     assert rec["identical_to_plain"] == 2 and rec["served"]["counters"]["drafts"] > 0
     assert rec["served"]["counters"]["draft_tokens"] == 3 * rec["served"]["counters"]["drafts"]
     assert (tmp_path / "served_comparison.txt").is_file()
