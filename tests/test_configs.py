@@ -12,6 +12,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
+from draftlab.cli.prepare import prepare_config
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PRIMARY = "train"
 PRIMARIES = ("train", "eval", "data_stage", "export")
@@ -34,7 +36,7 @@ def _compose(overrides, tmp_path, config_name: str = PRIMARY) -> DictConfig:
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
         del cfg["hydra"]  # the job's own config, as the entry points see it
-    return cfg
+    return prepare_config(cfg)  # as every entry point does first
 
 
 @pytest.mark.parametrize("primary", PRIMARIES)
@@ -67,7 +69,7 @@ def test_compose_and_instantiate(group, name, tmp_path, monkeypatch):
         f = tmp_path / "convs.jsonl"
         f.write_text('{"id": "a", "conversations": [{"role": "user", "content": "hi"}, '
                      '{"role": "assistant", "content": "hello"}]}\n')
-        extra = [f"data.sources.0.path={f}"]
+        extra = [f"data.sources.{name}.path={f}"]
     cfg = _compose([override, *extra], tmp_path)
     if OmegaConf.is_missing(cfg, "init_draft"):  # experiments that start from a trained draft must name it
         with pytest.raises(MissingMandatoryValue, match="init_draft"):

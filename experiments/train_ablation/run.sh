@@ -17,7 +17,7 @@ ONLY=${ONLY:-}   # ONLY="k7_bf16_target k2_bf16_target": just those rows
 OUT=${1:-runs/train_ablation}
 # The recipe's settings at the time of these rows are pinned (TTT-7, fp32, 5 % held out, one validation
 # per epoch); each row then changes its own levers.
-common=(experiment=smollm2_eagle3 regen.enabled=false data.sources.0.limit=400 data.sources.1.limit=300
+common=(experiment=smollm2_eagle3 regen.enabled=false data.sources.sharegpt.limit=400 data.sources.gsm8k.limit=300
         data.max_length=1024 eval.enabled=false method.module.val_ttt_length=7 method.data.val_fraction=0.05
         trainer.val_check_interval=1.0)
 row() {  # row <name> <epochs> <batches per epoch> <overrides...>

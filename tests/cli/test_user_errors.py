@@ -43,11 +43,11 @@ def test_malformed_jsonl_is_one_line_with_file_and_line(tmp_path):
     bad = tmp_path / "train.jsonl"
     good = '{"id": "a", "conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
     bad.write_text(good + "\n" + '{"id": "b", "conversations": [\n')
-    proc = _cli("draftlab.cli.data", "target=tiny_random", "data=jsonl", f"data.sources.0.path={bad}",
+    proc = _cli("draftlab.cli.data", "target=tiny_random", "data=jsonl", f"data.sources.jsonl.path={bad}",
                 tmp_path=tmp_path)
     line = _one_line(proc)
     assert f"{bad}:2" in line and "malformed JSON" in line
-    debug = _cli("draftlab.cli.data", "target=tiny_random", "data=jsonl", f"data.sources.0.path={bad}",
+    debug = _cli("draftlab.cli.data", "target=tiny_random", "data=jsonl", f"data.sources.jsonl.path={bad}",
                  tmp_path=tmp_path, debug=True)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 

@@ -245,7 +245,7 @@ def test_draft_opd_trains_every_student_and_decodes_losslessly(tiny_target, requ
     decoding with the result equals AR. (The EAGLE-3 student runs through the conformance suite.)"""
     from draftlab.decoding.engine import autoregressive_generate
     from draftlab.methods.registry import MethodSpec
-    from tests.decoding.conformance.methods import CPU_KNOBS, sequences
+    from tests.decoding.conformance.methods import sequences
     from tests.methods.corpus import UNSEEN_PROMPT
 
     spec = MethodSpec.from_name("draft_opd", [f"method@method.student={student}", "method.module.refresh_every=2"])
@@ -255,7 +255,7 @@ def test_draft_opd_trains_every_student_and_decodes_losslessly(tiny_target, requ
     draft = copy.deepcopy(request.getfixturevalue(f"{student}_draft")).train()
     module = spec.build_module(draft, tiny_target)
     module.log_dict = lambda *a, **k: None  # no trainer attached
-    module.generation.max_new_tokens = CPU_KNOBS["module.generation.max_new_tokens"]
+    module.generation.max_new_tokens = MethodSpec.from_name("draft_opd", ci=True).cfg.module.generation.max_new_tokens
     seqs = sequences(tiny_target)[:2]
     batch = {"input_ids": torch.tensor([s[:20] for s in seqs]), "attention_mask": torch.ones(2, 20, dtype=torch.long),
              "loss_mask": torch.tensor([[0] * 12 + [1] * 8] * 2)}

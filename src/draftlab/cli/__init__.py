@@ -16,17 +16,21 @@ def config_dir() -> str:
 
 
 def report_user_errors(task):
-    """Wrap a Hydra task function: a ``UserError`` (and an unread appended setting, checked first) becomes
+    """Wrap a Hydra task function: the config is prepared first (``cli.prepare.prepare_config``: the experiment's
+    ``method_overrides`` for the selected method, retired forms refused); a ``UserError`` (and an unread
+    appended setting, checked next) becomes
     ``error: <file>[:line]: <field>: <what>`` on stderr and exit code 2; ``DRAFTLAB_DEBUG=1`` re-raises
     with the traceback. Any other exception is a bug and keeps its traceback."""
     import functools
     import sys
 
+    from draftlab.cli.prepare import prepare_config
     from draftlab.utils.errors import UserError
 
     @functools.wraps(task)
     def run(cfg):
         try:
+            prepare_config(cfg)
             reject_unread_appends(cfg)
             return task(cfg)
         except UserError as e:

@@ -62,11 +62,19 @@ class ConversationSource:
 
 @dataclass
 class DataSpec:
-    sources: list[ConversationSource] = field(default_factory=list)
+    """The conversations of a run. ``sources`` maps a name (the id prefix of its conversations) to a source:
+    ``{sharegpt: {path, format, limit}, gsm8k: {...}}`` in config, so an experiment changes one setting of
+    one source (``data.sources.sharegpt.limit=64``) or drops one (``data.sources.gsm8k=null``) without
+    restating the others. They are read in the mapping's order."""
+
+    sources: dict[str, ConversationSource] = field(default_factory=dict)
     max_length: int = 2048
     truncation: str = "truncate"  # truncate | drop
     val_fraction: float = 0.05
     drop_system: bool = False
+
+    def __post_init__(self):
+        self.sources = _sources(self.sources)
 
     def load(self):
         """All sources, normalised; returns (conversations, normalise report)."""
@@ -74,13 +82,15 @@ class DataSpec:
 
         if not self.sources:
             raise ValueError("data spec has no sources")
-        convs = [c for s in self.sources for c in s.load()]
+        convs = [c for s in self.sources.values() for c in s.load()]
         kept, report = normalize(convs, drop_system=self.drop_system)
         log.info("%s", report)
         return kept, report
 
     def fingerprint(self) -> dict:
-        return {"sources": [s.fingerprint() for s in self.sources], "drop_system": self.drop_system}
+        # A list in the mapping's order, without the names: the key the same sources had as a list (names
+        # only prefix conversation ids, which the regenerated data stores itself).
+        return {"sources": [s.fingerprint() for s in self.sources.values()], "drop_system": self.drop_system}
 
     def pool_fingerprint(self) -> dict:
         """Identity of the conversation pool, ignoring each source's offset/limit.
@@ -88,8 +98,39 @@ class DataSpec:
         Regenerated turns live under this key, so raising a limit continues the earlier run instead of
         starting a new one; which conversations a run uses is still decided by the full spec.
         """
-        return {"sources": sorted((s.pool_fingerprint() for s in self.sources), key=repr),
+        return {"sources": sorted((s.pool_fingerprint() for s in self.sources.values()), key=repr),
                 "drop_system": self.drop_system}
+
+
+def _sources(sources) -> dict[str, ConversationSource]:
+    """``{name: ConversationSource}`` from the config mapping (plain settings or built sources; a null entry is
+    a source an experiment dropped). A list is the retired form: refused, naming the new one."""
+    from dataclasses import fields
+
+    from draftlab.utils.errors import ConfigError
+
+    if isinstance(sources, (list, tuple)):
+        raise ConfigError("is a list; sources are a mapping keyed by name now: data.sources.<name>: "
+                          "{path, format, limit, ...}", field="data.sources")
+    known = {f.name for f in fields(ConversationSource)}
+    out = {}
+    for name, src in (sources or {}).items():
+        if src is None:
+            continue
+        if not isinstance(src, ConversationSource):
+            src = dict(src)
+            src.pop("_target_", None)
+            unknown = sorted(set(src) - known)
+            if unknown:
+                raise ConfigError(f"unknown setting(s) {unknown}; a source takes {sorted(known)}",
+                                  field=f"data.sources.{name}")
+            if "path" not in src:
+                raise ConfigError("has no path", field=f"data.sources.{name}")
+            src = ConversationSource(**{"name": str(name), **src})
+        if src.name is None:
+            src.name = str(name)
+        out[str(name)] = src
+    return out
 
 
 @dataclass

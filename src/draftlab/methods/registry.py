@@ -19,6 +19,7 @@ pipeline supplies the run-time arguments)::
       checkpoint(checkpoint, out, format=, target=, ...)   optional: the method's own checkpoint -> formats
     drafter(draft) | drafter()      the inference-time drafter the engine calls
     axes                            name -> dotted path in this config: the settings tables compare by
+    ci                              small knobs for CPU tests (``from_name(..., ci=True)``); never read by a run
 
 A method that trains another method's draft (on-policy distillation) names it as a nested ``student``
 method config; every block it does not declare itself (the draft, its artifact, exports, drafter, draft
@@ -38,7 +39,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 # Blocks that do not change the weights a training run produces (so they stay out of the training key).
-_NOT_IN_TRAIN_KEY = ("label", "drafter", "export", "artifact", "axes", "features")
+_NOT_IN_TRAIN_KEY = ("label", "drafter", "export", "artifact", "axes", "features", "ci")
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -60,10 +61,18 @@ class MethodSpec:
     # ---- construction ------------------------------------------------------------------------------
 
     @classmethod
-    def from_name(cls, name: str, overrides: list[str] | tuple[str, ...] = (), *, target: str = "tiny_random"
-                  ) -> MethodSpec:
-        """Compose ``conf/method/<name>.yaml`` inside the real primary config (for tests and scripts)."""
-        return cls(compose_train_config([f"method={name}", f"target={target}", *overrides]).method)
+    def from_name(cls, name: str, overrides: list[str] | tuple[str, ...] = (), *, target: str = "tiny_random",
+                  ci: bool = False) -> MethodSpec:
+        """Compose ``conf/method/<name>.yaml`` inside the real primary config (for tests and scripts).
+
+        ``ci``: with the method's ``ci`` block (and its student's) merged in: the small knobs the config
+        declares for CPU tests, so a test suite sizes every method without naming its settings."""
+        spec = cls(compose_train_config([f"method={name}", f"target={target}", *overrides]).method)
+        if ci:
+            for node in (spec.cfg, spec.cfg.get("student")):
+                if node is not None:
+                    _merge_settings(node, node.get("ci"))
+        return spec
 
     # ---- identity ----------------------------------------------------------------------------------
 
@@ -238,6 +247,15 @@ class MethodSpec:
         return factory(draft) if self.trainable else factory
 
 
+def _merge_settings(node: DictConfig, settings, prefix: str = "") -> None:
+    """Set every leaf of ``settings`` (a nested mapping, or None) at the same path in ``node``."""
+    for key, value in (settings or {}).items():
+        if OmegaConf.is_dict(value):
+            _merge_settings(node, value, f"{prefix}{key}.")
+        else:
+            OmegaConf.update(node, f"{prefix}{key}", value, merge=False)
+
+
 def call_with_settings(fn, *args, **settings):
     """``fn(*args, **settings)`` with only the keywords ``fn`` takes (all of them if it takes ``**kwargs``)."""
     params = inspect.signature(fn).parameters.values()
@@ -276,14 +294,19 @@ def _trained_part(trained: dict[str, Any] | None, *, is_student: bool, wraps_stu
 
 
 def compose_train_config(overrides: list[str], config_name: str = "train") -> DictConfig:
-    """The real ``conf/`` composed with ``overrides`` (outside a Hydra app)."""
+    """The real ``conf/`` composed with ``overrides`` (outside a Hydra app), prepared as the entry points
+    prepare theirs (``cli.prepare.prepare_config``)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from draftlab.cli.prepare import prepare_config
+
     if GlobalHydra.instance().is_initialized():
-        return compose(config_name=config_name, overrides=list(overrides))
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name=config_name, overrides=list(overrides))
+        cfg = compose(config_name=config_name, overrides=list(overrides))
+    else:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+    return prepare_config(cfg, overrides=list(overrides))
 
 
 def method_names() -> list[str]:

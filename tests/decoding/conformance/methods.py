@@ -33,24 +33,13 @@ def per_method(names) -> list:
 TRAIN_STEPS = 20
 TRAIN_LR = 2e-2
 CONTINUE_LR = 1e-3
-# CPU-sized knobs, applied to whichever config declares them (the suite names no method): smaller trees
-# and shorter training-time tests keep every config's checks to seconds on the tiny target.
-# A confidence threshold (``module.tau``: early exit) goes to 0: over tiny_random's 49k-token vocabulary no
-# head of a few-step draft is confident, so nothing would be proposed and nothing verified.
-# Rollouts of on-policy methods (``module.generation``) decode short continuations. A method that trains a
-# ``student`` method's draft gets the knobs in that block too.
-CPU_KNOBS = {"drafter.total_tokens": 16, "drafter.top_k": 4, "drafter.depth": 4, "module.ttt_length": 3,
-             "module.tau": 0.0, "module.generation.max_new_tokens": 24}
 
 
 @cache
 def spec(name: str) -> MethodSpec:
-    s = MethodSpec.from_name(name)
-    for key, value in CPU_KNOBS.items():
-        for path in (key, f"student.{key}"):
-            if OmegaConf.select(s.cfg, path, default=None) is not None:
-                OmegaConf.update(s.cfg, path, value)
-    return s
+    """The method config with its CPU-test knobs (its ``ci`` block, and its student's): the suite names no
+    method's settings."""
+    return MethodSpec.from_name(name, ci=True)
 
 
 _SEQS: dict[int, list[list[int]]] = {}

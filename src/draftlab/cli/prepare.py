@@ -1,0 +1,124 @@
+"""The one step every entry point runs on a composed config before anything reads it.
+
+An experiment owns data, budget and evaluation; the knobs of a method live in ``conf/method/<m>.yaml``. An
+experiment that needs other values for some methods writes them in ``method_overrides``, a block keyed by
+method name::
+
+    method_overrides:
+      eagle3: {module: {ttt_length: 2}, drafter: {total_tokens: 6}}
+      dflash: {data: {val_fraction: 0.1}}
+
+:func:`prepare_config` merges the block of the selected method (``method.name``) into ``method`` and drops
+the rest, so ``experiment=quickstart method=<m>`` runs for every method, each with its own knobs. A knob the
+selected method does not have is a one-line ``ConfigError`` naming it and the method's file (a typo would
+otherwise be an unexpected keyword deep inside a constructor). Settings given on the command line
+(``method.module.ttt_length=4``, a sweep's values) win over the experiment's block, as Hydra's own order
+would have it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from draftlab.utils.errors import ConfigError
+
+
+def prepare_config(cfg: DictConfig, *, overrides: list[str] | None = None,
+                   method_file: str | None = None) -> DictConfig:
+    """Apply ``method_overrides`` for the selected method and refuse a retired config form; returns ``cfg``.
+
+    ``overrides``: the command line's (default: the running Hydra job's), whose ``method.*`` settings the
+    experiment's block does not overwrite. ``method_file``: the selected method's config file for messages
+    (default: from the Hydra choice, else ``conf/method/<method.name>.yaml``).
+    """
+    overrides, choice = _job_overrides(overrides)
+    method_file = method_file or f"conf/method/{choice or _method_name(cfg)}.yaml"
+    _refuse_old_forms(cfg)
+    blocks = cfg.get("method_overrides")
+    if blocks is not None and "method" in cfg:
+        known = _method_config_names()
+        for name in blocks:
+            if str(name) not in known:
+                raise ConfigError(f"names no method config (conf/method/{name}.yaml does not exist)",
+                                  field=f"method_overrides.{name}")
+        chosen = blocks.get(_method_name(cfg))
+        if chosen is not None:
+            cli = [_override_key(o) for o in overrides]
+            for path, value in _leaves(chosen):
+                _check_knob(cfg.method, path, method_file)
+                if any(_overlaps(f"method.{path}", k) for k in cli if k.startswith("method.")):
+                    continue  # the command line set it (or a block around it)
+                OmegaConf.update(cfg.method, path, value, merge=False, force_add=True)
+    if "method_overrides" in cfg:
+        with open_dict(cfg):
+            del cfg["method_overrides"]  # what runs is `method`; the block would only mislead records
+    return cfg
+
+
+def _job_overrides(overrides: list[str] | None) -> tuple[list[str], str | None]:
+    """The command-line overrides and the ``method`` group choice of the running Hydra job, where there is one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    choice = None
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        if overrides is None:
+            overrides = list(hc.overrides.task)
+        choice = hc.runtime.choices.get("method")
+    if choice is None:
+        choice = next((o.split("=", 1)[1] for o in overrides or () if o.split("=", 1)[0] == "method"), None)
+    return list(overrides or ()), choice
+
+
+def _method_name(cfg: DictConfig) -> str:
+    return str(OmegaConf.select(cfg, "method.name", default=""))
+
+
+def _method_config_names() -> set[str]:
+    from draftlab.cli import config_dir
+
+    return {p.stem for p in (Path(config_dir()) / "method").glob("*.yaml")}
+
+
+def _override_key(text: str) -> str:
+    return text.split("=", 1)[0].lstrip("+~").strip()
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """One dotted path is the other or lies inside it."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _leaves(node, prefix: str = ""):
+    """``(dotted path, value)`` for every setting of an overrides block; a mapping is descended into, so a
+    block sets only the knobs it names and keeps the method's others."""
+    for key, value in node.items_ex(resolve=False):
+        path = f"{prefix}{key}"
+        if OmegaConf.is_dict(value) and len(value) > 0:
+            yield from _leaves(value, path + ".")
+        else:
+            yield path, value
+
+
+def _check_knob(method: DictConfig, path: str, method_file: str) -> None:
+    """``ConfigError`` unless ``path`` names a setting of the method config (a knob it has)."""
+    parent, _, key = path.rpartition(".")
+    node = OmegaConf.select(method, parent, default=None) if parent else method
+    if OmegaConf.is_dict(node) and key in node:
+        return
+    # A plain settings block inside a method (no _target_, not a nested method config) may gain keys: it is a
+    # set of changes read as a whole (Draft-OPD's rollout_drafter: the evaluated drafter's knobs to change).
+    if parent and OmegaConf.is_dict(node) and "_target_" not in node and "name" not in node:
+        return
+    have = ", ".join(sorted(map(str, node.keys()))) if OmegaConf.is_dict(node) else "no such block"
+    raise ConfigError(f"the method has no knob '{path}' ({parent or 'the method'}: {have})", file=method_file,
+                      field=f"method_overrides.{path}")
+
+
+def _refuse_old_forms(cfg: DictConfig) -> None:
+    sources = OmegaConf.select(cfg, "data.sources", default=None, throw_on_missing=False)
+    if OmegaConf.is_list(sources):
+        raise ConfigError("is a list; sources are a mapping keyed by name now: data.sources.<name>: {path, format, "
+                          "limit, ...}", field="data.sources")

@@ -1,0 +1,106 @@
+"""An experiment says what runs for any method: ``experiment=quickstart method=<m>`` composes the experiment's
+data, budget and evaluation with the method's own knobs (plus the experiment's ``method_overrides.<m>``), and
+trains and evaluates every trainable method. Also the config forms this rests on: sources as a mapping whose
+data keys equal the list form's, and one-line errors for a knob a method lacks or a retired form."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from draftlab.methods.registry import CONF_DIR, MethodSpec, method_names
+from draftlab.utils.errors import ConfigError
+from tests.test_configs import _compose
+
+
+def _trainable() -> list[str]:
+    return [n for n in method_names() if OmegaConf.load(CONF_DIR / "method" / f"{n}.yaml").get("trainable")
+            or MethodSpec.from_name(n).trainable]
+
+
+# The quickstart's shape on the 2-layer random target, sized to seconds: 4 original conversations (no
+# regeneration), two optimiser steps, one question of 8 tokens beside the quickstart's training-free baselines.
+TINY_RUN = ["target=tiny_random", "logger=csv", "regen.enabled=false", "data.sources.sharegpt.limit=4",
+            "data.max_length=256", "trainer.max_epochs=1", "trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.precision=32-true",
+            "bench.limit=1", "eval.max_new_tokens=8", "eval.warmup=0", "train.checkpoint_every_n_steps=0"]
+
+
+@pytest.mark.parametrize("method", _trainable())
+def test_quickstart_trains_and_evaluates_every_trainable_method(method, tmp_path, monkeypatch, shared_data):
+    from draftlab.stages.pipeline import run_pipeline
+
+    monkeypatch.setenv("DRAFTLAB_SHARED_DATA", str(shared_data))
+    cfg = _compose(["experiment=quickstart", f"method={method}", *TINY_RUN,
+                    f"paths.artifacts={tmp_path / 'artifacts'}"], tmp_path)
+    assert "method_overrides" not in cfg  # merged into `method`, the config records what ran
+    spec = MethodSpec(cfg.method)
+    # The method's CPU-test knobs (small trees, short rollouts), as the conformance suite sizes it.
+    for node in (cfg.method, cfg.method.get("student")):
+        if node is not None:
+            for path, value in _leaves(node.get("ci")):
+                OmegaConf.update(node, path, value, merge=False)
+    record = run_pipeline(cfg, stage="train")
+    assert record["train"]["reused"] is False and record["train"]["history"]
+    assert record["eval"]["mismatches_vs_ar"] == 0 and record["eval"]["label"] == spec.label
+    assert set(record["eval"]["baselines"]) == {"pld", "suffix"}
+
+
+def _leaves(node, prefix=""):
+    for key, value in (node or {}).items():
+        if OmegaConf.is_dict(value):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def test_an_experiment_sets_only_the_selected_methods_knobs(tmp_path):
+    eagle3 = _compose(["experiment=quickstart", "method=eagle3"], tmp_path).method
+    assert eagle3.module.ttt_length == 2 and eagle3.draft_vocab_size == 4096 and eagle3.drafter.total_tokens == 6
+    dflash = _compose(["experiment=quickstart", "method=dflash"], tmp_path).method
+    assert "ttt_length" not in dflash.module and dflash.draft_vocab_size is None  # its own file's knobs ...
+    assert dflash.data.val_fraction == 0.1  # ... and the quickstart's block for it
+    # The command line (and a sweep's values) wins over the experiment's block.
+    swept = _compose(["experiment=quickstart", "method=eagle3", "method.module.ttt_length=5"], tmp_path).method
+    assert swept.module.ttt_length == 5 and swept.drafter.total_tokens == 6
+
+
+def test_a_knob_the_method_lacks_is_one_line_naming_it_and_the_method_file(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        _compose(["experiment=quickstart", "method=dflash", "+method_overrides.dflash.module.ttt_length=3"], tmp_path)
+    msg = str(err.value)
+    assert "conf/method/dflash.yaml" in msg and "module.ttt_length" in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="method_overrides.eagle33"):
+        _compose(["experiment=quickstart", "+method_overrides.eagle33.module.ttt_length=3"], tmp_path)
+
+
+def test_the_cli_refuses_a_knob_the_method_lacks_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "draftlab.cli.train", "experiment=quickstart", "method=dflash",
+                           "+method_overrides.dflash.module.ttt_length=3", f"paths.log_dir={tmp_path}",
+                           f"paths.artifacts={tmp_path / 'a'}"], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "conf/method/dflash.yaml" in lines[0] and "module.ttt_length" in lines[0]
+
+
+def test_sources_are_a_mapping_whose_data_key_is_the_list_forms(tmp_path, monkeypatch, shared_data):
+    from hydra.utils import instantiate
+
+    from draftlab.data.sources import DataSpec
+    from draftlab.utils.hashing import content_key
+
+    monkeypatch.setenv("DRAFTLAB_SHARED_DATA", str(shared_data))
+    # The keys these experiments' data had when sources were a list (so their artifacts are reused).
+    for experiment, key in [("smollm2_small", "e9a0912550ec86f4"), ("draft_opd_prompts", "a09dce3d9fb73b0c"),
+                            ("smollm2_eagle3", "436a1c787adfcc8d")]:
+        over = ["init_draft=/x"] if experiment.startswith("draft_opd") else []
+        spec = instantiate(_compose([f"experiment={experiment}", *over], tmp_path).data, _convert_="object")
+        assert content_key(spec.fingerprint()) == key, experiment
+    spec = DataSpec(sources={"a": {"path": "x.jsonl", "limit": 3}, "gone": None})
+    assert list(spec.sources) == ["a"] and spec.sources["a"].name == "a" and spec.sources["a"].limit == 3
+    with pytest.raises(ConfigError, match="data.sources.*mapping keyed by name"):
+        DataSpec(sources=[{"path": "x.jsonl"}])
+    with pytest.raises(ConfigError, match=r"data.sources.a.*\['limt'\]"):
+        DataSpec(sources={"a": {"path": "x.jsonl", "limt": 3}})
