@@ -43,7 +43,8 @@ class _Lengths(L.Callback):
 def test_training_follows_the_curriculum_and_validates_at_full_length(tiny_target, tmp_path):
     samples = make_samples(tiny_target, 12)
     module = Eagle3Module(make_draft(tiny_target, samples), tiny_target, ttt_length=3,
-                          ttt_curriculum=[[0.5, 1]], val_ttt_length=4)
+                          ttt_curriculum=[[0.5, 1]], val_ttt_length=4,
+                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0))
     dm = Eagle3DataModule(samples, batch_size=3, val_fraction=0.25)
     seen = _Lengths()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,

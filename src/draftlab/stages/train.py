@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Checkpoint
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from draftlab.methods.registry import MethodSpec
 from draftlab.stages.data import target_identity
@@ -143,18 +143,12 @@ def train_key(cfg: DictConfig, data_key: str) -> str:
     return content_key("train/2", spec.key_config(), target_identity(cfg), convention, data_key, trainer, cfg.seed)
 
 
-def _callbacks(cfg: DictConfig, root: Path, monitor: str, has_val: bool) -> tuple[list, HistoryCallback]:
-    """The configured callbacks, pointed at the artifact directory, plus history and resume checkpoints."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
+def _callbacks(cfg: DictConfig, root: Path, monitor: str | None) -> tuple[list, HistoryCallback]:
+    """The configured callbacks, plus history and resume checkpoints. The configs place checkpoints by
+    interpolation (``train.artifact_dir``, ``train.monitor``), filled in here for this key and method."""
+    with open_dict(cfg):
+        cfg.train.artifact_dir, cfg.train.monitor = str(root), monitor
     callbacks = [cb for cb in (instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c) if cb is not None]
-    for cb in callbacks:
-        if isinstance(cb, ModelCheckpoint):
-            # The artifact directory, not the run directory: a re-run with the same key resumes from it.
-            cb.dirpath = str(root / "checkpoints")
-            # Best = highest held-out value of the method's monitor (default: simulated tau, as SpecForge
-            # selects on its simulated acceptance length).
-            cb.monitor, cb.mode = (monitor, "max") if has_val else (None, "max")
     history = HistoryCallback(int(cfg.trainer.get("log_every_n_steps", 10)))
     resume = ResumeCheckpoint(root / "checkpoints" / "resume.ckpt", int(cfg.train.checkpoint_every_n_steps))
     return [*callbacks, history, resume], history
@@ -187,7 +181,7 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
                                seed=int(cfg.seed))
     module = spec.build_module(draft, target)
     has_val = float(spec.block("data").get("val_fraction") or 0) > 0
-    callbacks, history = _callbacks(cfg, root, spec.monitor, has_val=has_val)
+    callbacks, history = _callbacks(cfg, root, spec.monitor if has_val else None)
     trainer = _trainer(cfg, callbacks, loggers, root)
     resume = root / "checkpoints" / "resume.ckpt"
     ckpt_path = str(resume) if resume.exists() else None

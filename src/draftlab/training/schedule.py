@@ -52,6 +52,12 @@ def configure(module, params, optimizer_factory, schedule_factory: ScheduleFacto
     """What ``LightningModule.configure_optimizers`` returns: the optimiser over ``params`` (parameters or
     param groups) and the schedule stepped every optimiser step over the run's ``total_steps`` (default:
     the trainer's estimate)."""
+    if optimizer_factory is None:
+        # The optimiser and its defaults live in the method config only (conf/method/<m>.yaml module.optimizer).
+        from draftlab.utils.errors import ConfigError
+
+        raise ConfigError("no optimizer: the method config's module block sets one (e.g. torch.optim.AdamW, "
+                          "_partial_: true)", field="method.module.optimizer")
     opt = optimizer_factory(params)
     total = total_steps or int(module.trainer.estimated_stepping_batches)
     schedule_factory = schedule_factory or warmup_cosine

@@ -20,7 +20,6 @@ pass gives, so the target always runs inside the step (its aux states and logits
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import lightning as L
@@ -92,7 +91,7 @@ class ConFuModule(TTTHooks, L.LightningModule):
         self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
         self.ttt = TTTStep(ttt_length, step_weight, normalization, naive_attention, ttt_curriculum, val_ttt_length)
         self.metrics = TTTMetrics(step_weight)
-        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
         self.schedule_factory = schedule
         self.total_steps = total_steps
         self.num_anchors = num_anchors

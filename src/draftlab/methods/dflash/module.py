@@ -39,7 +39,7 @@ class DFlashModule(L.LightningModule):
     target        a ``draftlab.targets.Target`` for online batches; None when every batch is offline.
     num_anchors   blocks per sequence (the paper: 512 on GPUs; a few dozen on CPU).
     gamma         loss decay ``w_k = exp(-(k-1)/gamma)``; None = the paper's value for the block size.
-    optimizer     a partial ``torch.optim`` constructor (Hydra ``_partial_: true``); default AdamW(6e-4).
+    optimizer     a partial ``torch.optim`` constructor (Hydra ``_partial_: true``): the config's, required to fit.
     schedule      a partial LR schedule (``draftlab.training.schedule``); default warm-up 4 % + cosine.
     val_seed      seed of the validation anchors.
     """
@@ -51,7 +51,7 @@ class DFlashModule(L.LightningModule):
         self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
         self.num_anchors = int(num_anchors)
         self.gamma = float(gamma) if gamma is not None else default_gamma(draft.config.block_size)
-        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
         self.schedule_factory = schedule or partial(warmup_cosine, warmup_ratio=0.04)
         self.total_steps = total_steps
         self.val_seed = val_seed

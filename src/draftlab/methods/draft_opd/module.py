@@ -88,7 +88,7 @@ class DraftOPDModule(L.LightningModule):
         self.rejected_suffix, self.anchor_rule = bool(rejected_suffix), anchors
         self.objective = Objective(**(objective or {}))
         self.max_prompt_tokens = max_prompt_tokens
-        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
         self.schedule_factory = schedule
         self.total_steps = total_steps
         self.seed = int(seed)

@@ -21,7 +21,6 @@ helpers below, which ConFu composes the same way.
 from __future__ import annotations
 
 import random
-from functools import partial
 from typing import Any
 
 import lightning as L
@@ -45,8 +44,8 @@ class Eagle3Module(TTTHooks, L.LightningModule):
                    ``batch_tokens`` (EAGLE/SpecForge) or ``mask_sum`` (speculators).
     ttt_curriculum ``[[until_fraction, length], ...]``: shorter unrolls for the first fractions of the run
                    (``metrics.TTTStep``); ``val_ttt_length`` the unroll of validation (default ``ttt_length``).
-    optimizer      a partial ``torch.optim`` constructor (Hydra ``_partial_: true``); default AdamW(1e-4,
-                   betas (0.9, 0.95), wd 0) as SpecForge/EAGLE.
+    optimizer      a partial ``torch.optim`` constructor (Hydra ``_partial_: true``): the config's (AdamW 1e-4,
+                   betas (0.9, 0.95), wd 0 as SpecForge/EAGLE in conf/method/eagle3.yaml), required to fit.
     schedule       a partial LR schedule (``draftlab.training.schedule``); default warm-up 1.5 % + cosine.
     """
 
@@ -60,7 +59,7 @@ class Eagle3Module(TTTHooks, L.LightningModule):
         self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
         self.ttt = TTTStep(ttt_length, step_weight, normalization, naive_attention, ttt_curriculum, val_ttt_length)
         self.metrics = TTTMetrics(step_weight)
-        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
         self.schedule_factory = schedule
         self.total_steps = total_steps
         self.register_buffer("target_lm_head", lm_head_weight(target, target_lm_head), persistent=False)

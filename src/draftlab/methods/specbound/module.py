@@ -88,7 +88,7 @@ class SpecBoundModule(L.LightningModule):
         self.d_max = int(d_max) if d_max is not None else max(draft.exit_layers)
         self.w_max = int(w_max)
         self.max_positions = max_positions
-        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=5e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
         self.schedule_factory = schedule or partial(warmup_cosine, warmup_ratio=0.05)
         self.total_steps = total_steps
         self._val: dict[str, torch.Tensor] | None = None
