@@ -38,11 +38,11 @@ def test_raising_a_limit_continues_the_earlier_regeneration(tmp_path):
 
     base = ["target=tiny_random", "debug=default", "regen.max_new_tokens=4", "method.draft_vocab_size=256",
             f"paths.artifacts={tmp_path / 'artifacts'}"]
-    small = run_data_stage(_compose(base + ["data.sources.0.limit=4"], tmp_path))
+    small = run_data_stage(_compose(base + ["data.sources.sharegpt.limit=4"], tmp_path))
     assert small.regen_report.success == 4 and small.regen_report.resumed_done == 0
     large = run_data_stage(_compose(base, tmp_path))
     assert large.regen_path == small.regen_path
     assert large.regen_report.resumed_done == 4 and large.regen_report.success == 8
     assert large.data_key != small.data_key  # features, vocab and drafts still follow the exact slice
-    again = run_data_stage(_compose(base + ["data.sources.0.limit=4"], tmp_path))
+    again = run_data_stage(_compose(base + ["data.sources.sharegpt.limit=4"], tmp_path))
     assert [s.input_ids for s in again.samples] == [s.input_ids for s in small.samples]

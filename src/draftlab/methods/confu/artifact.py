@@ -64,6 +64,9 @@ def build_draft(*, target, vocab=None, taps: list[int] | None = None, init: dict
     from draftlab.targets.base import default_aux_layer_ids
 
     fields = {k: v for k, v in fields.items() if v is not None}
+    if (init or {}).get("lm_head", "random") != "random":
+        raise ValueError(f"method.draft.init.lm_head={init['lm_head']}: a ConFu draft's LM head starts random "
+                         "(or from the EAGLE-3 draft in init.from)")
     start = (init or {}).get("from")
     if start is not None and is_confu_artifact(start):
         draft = load_confu(start, target=target)

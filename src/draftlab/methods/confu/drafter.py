@@ -44,12 +44,14 @@ class ConFuDrafter(Drafter):
     """
 
     def __init__(self, draft: ConFuDraft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
-                 cache_soft_prompts: bool = True, tree: str = "fixed"):
+                 cache_soft_prompts: bool = True, tree: str = "fixed", dtype=None, head_dtype=None,
+                 full_vocab: bool = False):
         if not isinstance(draft, ConFuDraft):
             raise TypeError(f"ConFuDrafter needs a ConFuDraft, got {type(draft).__name__} "
                             "(ConFuDraft.from_eagle3 extends an EAGLE-3 draft)")
+        # The tree knobs are EAGLE-3's (conf/method/confu.yaml composes eagle3.yaml): the tree drafter takes them.
         self.tree = Eagle3Drafter(draft, top_k=top_k, depth=depth, total_tokens=total_tokens, tree=tree,
-                                  rows_per_node=2)
+                                  rows_per_node=2, dtype=dtype, head_dtype=head_dtype, full_vocab=full_vocab)
         self.draft = self.tree.draft
         self.cache_soft_prompts = cache_soft_prompts
         self._soft: tuple[tuple[int, int], PinnedKV] | None = None  # ((target, weights version), keys)
