@@ -71,10 +71,10 @@ def test_compose_and_instantiate(group, name, tmp_path, monkeypatch):
                      '{"role": "assistant", "content": "hello"}]}\n')
         extra = [f"data.sources.{name}.path={f}"]
     cfg = _compose([override, *extra], tmp_path)
-    if OmegaConf.is_missing(cfg, "init_draft"):  # experiments that start from a trained draft must name it
-        with pytest.raises(MissingMandatoryValue, match="init_draft"):
+    if OmegaConf.is_missing(cfg.init, "from"):  # experiments that start from a trained draft must name it
+        with pytest.raises(MissingMandatoryValue, match="init.from"):
             OmegaConf.resolve(cfg)
-        cfg = _compose([override, *extra, "init_draft=/drafts/eagle3"], tmp_path)
+        cfg = _compose([override, *extra, "init.from=/drafts/eagle3"], tmp_path)
         assert "/drafts/eagle3" in str(OmegaConf.to_container(cfg.method, resolve=True))
     OmegaConf.resolve(cfg)  # every interpolation resolves
     if group == "target":

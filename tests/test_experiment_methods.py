@@ -95,7 +95,7 @@ def test_sources_are_a_mapping_whose_data_key_is_the_list_forms(tmp_path, monkey
     # The keys these experiments' data had when sources were a list (so their artifacts are reused).
     for experiment, key in [("smollm2_small", "e9a0912550ec86f4"), ("draft_opd_prompts", "a09dce3d9fb73b0c"),
                             ("smollm2_eagle3", "436a1c787adfcc8d")]:
-        over = ["init_draft=/x"] if experiment.startswith("draft_opd") else []
+        over = ["init.from=/x"] if experiment.startswith("draft_opd") else []
         spec = instantiate(_compose([f"experiment={experiment}", *over], tmp_path).data, _convert_="object")
         assert content_key(spec.fingerprint()) == key, experiment
     spec = DataSpec(sources={"a": {"path": "x.jsonl", "limit": 3}, "gone": None})
@@ -104,3 +104,19 @@ def test_sources_are_a_mapping_whose_data_key_is_the_list_forms(tmp_path, monkey
         DataSpec(sources=[{"path": "x.jsonl"}])
     with pytest.raises(ConfigError, match=r"data.sources.a.*\['limt'\]"):
         DataSpec(sources={"a": {"path": "x.jsonl", "limt": 3}})
+
+
+@pytest.mark.parametrize(("method", "where"), [("eagle3", "draft"), ("confu", "draft"), ("dflash", "draft"),
+                                               ("draft_opd", "student.draft")])
+def test_init_from_is_the_one_spelling_of_a_start_draft(method, where, tmp_path):
+    cfg = _compose([f"method={method}", "init.from=/drafts/d"], tmp_path)
+    assert OmegaConf.select(cfg.method, f"{where}.init.from") == "/drafts/d"
+    plain = _compose([f"method={method}"], tmp_path)
+    assert OmegaConf.select(plain.method, f"{where}.init.from", default=None) is None
+    with pytest.raises(ConfigError, match="'init_draft'.*init.from") as err:
+        _compose([f"method={method}", "init_draft=/drafts/d"], tmp_path)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="'init.from'.*contradicts"):
+        _compose([f"method={method}", "init.from=/drafts/d", f"++method.{where}.init.from=/drafts/other"], tmp_path)
+    with pytest.raises(ConfigError, match="'init.from'.*trains no draft.*prompt_lookup"):
+        _compose(["method=prompt_lookup", "init.from=/drafts/d"], tmp_path)

@@ -365,7 +365,7 @@ def test_draft_opd_continues_a_trained_draft_and_resumes_mid_phase(tmp_path, mon
     init = sft["artifacts"]["draft"]
 
     def opd(*extra):
-        cfg = _compose(["experiment=draft_opd_tiny", *BASE[1:], art, f"init_draft={init}", "trainer.max_epochs=1",
+        cfg = _compose(["experiment=draft_opd_tiny", *BASE[1:], art, f"init.from={init}", "trainer.max_epochs=1",
                         *extra], tmp_path, "train")
         return run_pipeline(cfg, stage="train")
 

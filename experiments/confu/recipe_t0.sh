@@ -7,7 +7,7 @@
 set -euo pipefail
 D=${1:?usage: recipe_t0.sh DRAFT_DIR OUT_DIR}
 R=${2:?usage: recipe_t0.sh DRAFT_DIR OUT_DIR}
-C=(experiment=confu_smollm2 "init_draft=$D" regen.enabled=false logger=csv)
+C=(experiment=confu_smollm2 "init.from=$D" regen.enabled=false logger=csv)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 [ -f "$R/eagle3/record.json" ] || draftlab-eval "${C[@]}" method=eagle3 "draft_path=$D" "hydra.run.dir=$R/eagle3"
 [ -f "$R/eagle3_continue/record.json" ] || draftlab-train "${C[@]}" method=eagle3_continue "hydra.run.dir=$R/eagle3_continue"

@@ -23,7 +23,7 @@ BASE=$(record "$OUT/sft")
 
 # 2. Draft-OPD for $MIN minutes: GSM8K-train + ShareGPT prompts, 96-token rollouts at T=0 with the same
 #    tree it is evaluated with; 8 replay steps of 4 rollouts per phase of 4 prompts.
-[ -f "$OUT/opd/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init_draft="$BASE" \
+[ -f "$OUT/opd/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init.from="$BASE" \
     "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
     method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
     method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" "${FP32[@]}" \
@@ -45,7 +45,7 @@ declare -A ABL=([seed1]=seed=1 [nodecay]=method.module.objective.gamma=1.0 [forw
                 [random_rounds]=method.module.anchors=random_rounds [sampled]=method.module.objective.estimator=sampled
                 [random_rounds_steps]="method.module.anchors=random_rounds trainer.max_steps=${OPD_STEPS:-33} +method.module.total_steps=1504 trainer.max_time=00:01:00:00")
 for arm in ${ABLATIONS-$ALL_ABLATIONS}; do
-  [ -f "$OUT/opd_$arm/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init_draft="$BASE" \
+  [ -f "$OUT/opd_$arm/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init.from="$BASE" \
       "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
       method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
       method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" "${FP32[@]}" \
@@ -54,7 +54,7 @@ done
 
 # 3. Continued SFT for $MIN minutes on the supervised data (its features are already cached; SFT_MORE=0 skips).
 [ "${SFT_MORE:-1}" = 0 ] || [ -f "$OUT/sft_more/record.json" ] || draftlab-train experiment=quickstart method=eagle3_continue \
-    init_draft="$BASE" trainer.max_epochs=1000 +trainer.max_time="$BUDGET" method.data.val_fraction=0 "${FP32[@]}" \
+    init.from="$BASE" trainer.max_epochs=1000 +trainer.max_time="$BUDGET" method.data.val_fraction=0 "${FP32[@]}" \
     eval.enabled=false logger=csv hydra.run.dir="$OUT/sft_more"
 
 # 4. Each draft on Spec-Bench (one question per category, 128 tokens, T=0) against AR in its own process.
@@ -88,13 +88,13 @@ CBUDGET=$(printf "00:00:%02d:00" "$CMIN")
 CKPT=(callbacks.model_checkpoint.save_top_k=-1 +callbacks.model_checkpoint.train_time_interval._target_=datetime.timedelta
       +callbacks.model_checkpoint.train_time_interval.minutes="${CURVE_EVERY:-5}")
 if [ ! -f "$OUT/curve_opd/record.json" ] || [ ! -f "$OUT/curve_sft/record.json" ]; then
-  OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_smollm2 init_draft="$BASE" \
+  OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_smollm2 init.from="$BASE" \
       "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
       method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
       method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$CBUDGET" "${FP32[@]}" \
       "${CKPT[@]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/curve_opd" & P1=$!
   OMP_NUM_THREADS=1 draftlab-train experiment=quickstart method=eagle3_continue \
-      init_draft="$BASE" trainer.max_epochs=1000 +trainer.max_time="$CBUDGET" method.data.val_fraction=0 "${FP32[@]}" \
+      init.from="$BASE" trainer.max_epochs=1000 +trainer.max_time="$CBUDGET" method.data.val_fraction=0 "${FP32[@]}" \
       "${CKPT[@]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/curve_sft" & P2=$!
   wait "$P1"; wait "$P2"   # set -e: either arm failing stops the script
 fi
@@ -112,7 +112,7 @@ if [ "${DFLASH:-1}" = 1 ]; then
   DBASE=$(record "$OUT/dflash_sft")
   # The two arms side by side on one core each, as the time curve: any other load hits both alike.
   if [ ! -f "$OUT/dflash_opd/record.json" ] || [ ! -f "$OUT/dflash_sft_more/record.json" ]; then
-    OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_dflash_smollm2 init_draft="$DBASE" \
+    OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_dflash_smollm2 init.from="$DBASE" \
         "${B4[@]/#method./method.student.}" method.module.refresh_every=8 method.module.sequences_per_step=4 \
         method.module.generation.max_new_tokens=96 method.module.optimizer.lr=3e-4 method.data.val_fraction=0 \
         trainer.max_time="$BUDGET" "${FP32[@]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/dflash_opd" & P1=$!
@@ -152,10 +152,10 @@ if [ -n "${RECIPE:-}" ]; then
          +callbacks.model_checkpoint.train_time_interval.minutes="${RECIPE_EVERY:-15}")
   R="$OUT/recipe_${RMIN}min"
   if [ ! -f "$R/opd/record.json" ] || [ ! -f "$R/sft_more/record.json" ]; then
-    OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_smollm2 init_draft="$RBASE" method.data.val_fraction=0 \
+    OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_smollm2 init.from="$RBASE" method.data.val_fraction=0 \
         "${LR[@]}" trainer.max_time="$RBUDGET" "${FP32[@]}" "${RCKPT[@]}" eval.enabled=false logger=csv \
         hydra.run.dir="$R/opd" & P1=$!
-    OMP_NUM_THREADS=1 draftlab-train experiment=smollm2_eagle3 method=eagle3_continue init_draft="$RBASE" \
+    OMP_NUM_THREADS=1 draftlab-train experiment=smollm2_eagle3 method=eagle3_continue init.from="$RBASE" \
         trainer.max_epochs=1000 +trainer.max_time="$RBUDGET" method.data.val_fraction=0 "${LR[@]}" "${FP32[@]}" \
         "${RCKPT[@]}" eval.enabled=false logger=csv hydra.run.dir="$R/sft_more" & P2=$!
     wait "$P1"; wait "$P2"

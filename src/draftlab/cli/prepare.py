@@ -36,6 +36,7 @@ def prepare_config(cfg: DictConfig, *, overrides: list[str] | None = None,
     overrides, choice = _job_overrides(overrides)
     method_file = method_file or f"conf/method/{choice or _method_name(cfg)}.yaml"
     _refuse_old_forms(cfg)
+    _route_init(cfg, method_file)
     blocks = cfg.get("method_overrides")
     if blocks is not None and "method" in cfg:
         known = _method_config_names()
@@ -117,7 +118,33 @@ def _check_knob(method: DictConfig, path: str, method_file: str) -> None:
                       field=f"method_overrides.{path}")
 
 
+def _route_init(cfg: DictConfig, method_file: str) -> None:
+    """``init.from``, the one spelling of "start from a trained draft", becomes the ``draft.init.from`` of the
+    draft the method trains (its own, or its student's for a method that trains another's, as Draft-OPD).
+
+    Set by interpolation, so a required start (``init.from: ???`` in an experiment) fails by that name when the
+    config resolves, and the training key holds the path as before. Nothing trains under ``draft_path``
+    (an existing draft is evaluated), so there the setting is not read."""
+    if "init" not in cfg or "method" not in cfg or cfg.get("draft_path"):
+        return
+    missing = OmegaConf.is_missing(cfg.init, "from")
+    if not missing and cfg.init.get("from") is None:
+        return
+    owner = "method.student" if OmegaConf.select(cfg, "method.student") is not None else "method"
+    if OmegaConf.select(cfg, f"{owner}.draft") is None:
+        raise ConfigError(f"method '{_method_name(cfg)}' trains no draft to start from ({method_file})",
+                          field="init.from")
+    here = OmegaConf.select(cfg, f"{owner}.draft.init.from", default=None, throw_on_missing=False)
+    if here is not None and (missing or str(here) != str(cfg.init["from"])):
+        raise ConfigError(f"contradicts {owner}.draft.init.from={here}: give the start draft once, as init.from",
+                          field="init.from")
+    OmegaConf.update(cfg, f"{owner}.draft.init.from", "${init.from}", merge=False, force_add=True)
+
+
 def _refuse_old_forms(cfg: DictConfig) -> None:
+    for path in ("init_draft", "method.draft.init_from"):
+        if OmegaConf.select(cfg, path, default=None, throw_on_missing=False) is not None:
+            raise ConfigError("retired spelling: start from a trained draft with init.from=DIR", field=path)
     sources = OmegaConf.select(cfg, "data.sources", default=None, throw_on_missing=False)
     if OmegaConf.is_list(sources):
         raise ConfigError("is a list; sources are a mapping keyed by name now: data.sources.<name>: {path, format, "
