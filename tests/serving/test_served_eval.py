@@ -192,19 +192,26 @@ VLLM_PYTHON = os.environ.get("DRAFTLAB_VLLM_PYTHON", "")
 @pytest.mark.timeout(2400)
 @pytest.mark.skipif(not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
                     reason="no vLLM environment: set DRAFTLAB_VLLM_PYTHON to its python")
-def test_served_vs_draftlab_on_a_tiny_export(tmp_path, shared_data):
-    """Two vLLM launches (minutes each on CPU) with the quickstart's EAGLE-3 draft, or DRAFTLAB_VLLM_ARTIFACT."""
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_served_vs_draftlab_round_trip(method, tmp_path, shared_data):
+    """Export, serve (vLLM: plain, then the draft as chains of 1 and 3; a minute or more per launch on CPU) and
+    compare with draftlab's chains: a trained draft from the artifact cache, or DRAFTLAB_VLLM_ARTIFACT_<METHOD>."""
     from draftlab.stages.pipeline import run_pipeline
 
-    artifact = os.environ.get("DRAFTLAB_VLLM_ARTIFACT") or str(
-        next(Path("~/.cache/draftlab/artifacts/eagle3").expanduser().glob("*/draft"), ""))
+    artifact = os.environ.get(f"DRAFTLAB_VLLM_ARTIFACT_{method.upper()}") or str(
+        next(Path(f"~/.cache/draftlab/artifacts/{method}").expanduser().glob("*/draft"), ""))
     if not artifact:
-        pytest.skip("no trained EAGLE-3 artifact: run the quickstart or set DRAFTLAB_VLLM_ARTIFACT")
-    cfg = _compose(["method=eagle3", f"draft_path={artifact}", "eval.engine=vllm", f"eval.served.python={VLLM_PYTHON}",
-                    "eval.served.prompts=2", "eval.served.max_tokens=24", "bench=specbench",
+        pytest.skip(f"no trained {method} artifact: train one or set DRAFTLAB_VLLM_ARTIFACT_{method.upper()}")
+    cfg = _compose([f"method={method}", f"draft_path={artifact}", "eval.engine=vllm", f"eval.served.python={VLLM_PYTHON}",
+                    "eval.served.prompts=2", "eval.served.max_tokens=24", "eval.served.num_speculative_tokens=[1,3]",
+                    "eval.served.extra=[--enforce-eager]", "bench=specbench",
                     f"paths.output_dir={tmp_path}", f"paths.shared_data={shared_data}"])
     record = run_pipeline(cfg, stage="eval")
-    (rec,) = record["eval"]["served"]
-    assert rec["identical_to_plain"] == 2 and rec["served"]["counters"]["drafts"] > 0
-    assert rec["served"]["counters"]["draft_tokens"] == 3 * rec["served"]["counters"]["drafts"]
-    assert (tmp_path / "served_comparison.txt").is_file()
+    recs = record["eval"]["served"]
+    assert [r["num_speculative_tokens"] for r in recs] == [1, 3]
+    for k, rec in zip((1, 3), recs):
+        counters = rec["served"]["counters"]
+        assert rec["identical_to_plain"] == 2 and counters["drafts"] > 0
+        assert counters["draft_tokens"] == k * counters["drafts"]
+        assert not rec["parity"]["flagged"], rec["parity"]
+    print((tmp_path / "served_comparison.txt").read_text())
