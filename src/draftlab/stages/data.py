@@ -62,6 +62,9 @@ class DataStageResult:
     vocab: VocabMapping | None
     data_key: str
     regen_path: Path | None
+    # What decides the target's tokens (``target_identity``): computed here once, and read by every later key
+    # (offline features, the training key) beside ``data_key``.
+    target_id: dict | None = None
 
     def summary(self) -> dict:
         return {
@@ -75,22 +78,27 @@ class DataStageResult:
         }
 
 
-def run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
-    """The data stage; in a multi-process job rank 0 builds every product and the other ranks then load them."""
+def run_data_stage(cfg: DictConfig, target=None, spec: MethodSpec | None = None) -> DataStageResult:
+    """The data stage; in a multi-process job rank 0 builds every product and the other ranks then load them.
+
+    ``spec``: the run's method (built once by the pipeline; from ``cfg.method`` when run on its own), whose
+    draft vocabulary size decides the vocabulary map."""
+    if spec is None and cfg.get("method"):
+        spec = MethodSpec(cfg.method)
     with ranks.main_first("data"):
-        return _run_data_stage(cfg, target)
+        return _run_data_stage(cfg, target, spec)
 
 
-def _run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
+def _run_data_stage(cfg: DictConfig, target, spec: MethodSpec | None) -> DataStageResult:
     t0 = time.perf_counter()
     target = target if target is not None else instantiate(cfg.target)
     log.info("target %s: %s", getattr(target, "name", "?"), target.geometry)
     require_chat_template(target.tokenizer)
-    spec = instantiate(cfg.data, _convert_="object")
-    convs, _ = spec.load()
+    data = instantiate(cfg.data, _convert_="object")
+    convs, _ = data.load()
     # Capture settings (which layers a forward taps) change no generated token: not part of the key.
     target_id = target_identity(cfg)
-    data_key = content_key(spec.fingerprint())
+    data_key = content_key(data.fingerprint())
     regen_report, regen_path = None, None
     if cfg.regen.enabled:
         rcfg = RegenConfig(**{k: v for k, v in OmegaConf.to_container(cfg.regen, resolve=True).items() if k != "enabled"},
@@ -98,9 +106,9 @@ def _run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
         # max_batches / max_attempts only decide how far and how persistently runs go, and the server settings
         # where requests go, not what they write; a serving engine's name and version do enter the key.
         key_cfg = regen_key_config(rcfg, engine_identity(rcfg))
-        data_key = content_key(target_id, spec.fingerprint(), key_cfg)
+        data_key = content_key(target_id, data.fingerprint(), key_cfg)
         # One pool per (target, files, settings): a larger slice of the same files resumes a smaller one.
-        pool_key = content_key(target_id, spec.pool_fingerprint(), key_cfg)
+        pool_key = content_key(target_id, data.pool_fingerprint(), key_cfg)
         regen_path = Path(cfg.paths.artifacts) / "regen" / pool_key / "regenerated.jsonl"
         if ranks.is_main():  # only rank 0 regenerates (and starts a server, with regen.server.launch)
             regen_report = regenerate(target, convs, regen_path, rcfg)
@@ -111,20 +119,20 @@ def _run_data_stage(cfg: DictConfig, target=None) -> DataStageResult:
             log.info("rank %d: loading rank 0's regenerated data", ranks.rank())
         log.info("regenerated data: %s", regen_path)
         convs = load_regenerated(regen_path, ids=[c.id for c in convs])
-    samples, render_report = render_conversations(target.tokenizer, convs, max_length=spec.max_length,
-                                                  truncation=spec.truncation)
+    samples, render_report = render_conversations(target.tokenizer, convs, max_length=data.max_length,
+                                                  truncation=data.truncation)
     log.info("%s", render_report)
     vocab = None
-    draft_vocab_size = MethodSpec(cfg.method).draft_vocab_size if cfg.get("method") else None
+    draft_vocab_size = spec.draft_vocab_size if spec is not None else None
     if draft_vocab_size:
         vkey = vocab_mapping_cache_key(data_key, target.tokenizer.chat_template, getattr(target, "name", ""),
-                                       spec.max_length, draft_vocab_size)
+                                       data.max_length, draft_vocab_size)
         vocab = load_or_build_vocab_mapping(lambda: samples, cache_dir=cfg.paths.artifacts, key=vkey,
                                             vocab_size=target.geometry.vocab_size,
                                             draft_vocab_size=draft_vocab_size)
         log.info("draft vocabulary: %d of %d tokens cover %.2f%% of assistant tokens",
                  draft_vocab_size, target.geometry.vocab_size, 100 * vocab.coverage)
-    result = DataStageResult(target, samples, render_report, regen_report, vocab, data_key, regen_path)
+    result = DataStageResult(target, samples, render_report, regen_report, vocab, data_key, regen_path, target_id)
     log.info("data stage done in %.1f s", time.perf_counter() - t0)
     return result
 

@@ -55,9 +55,9 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | N
             else:
                 from draftlab.stages.data import run_data_stage
 
-                data = run_data_stage(cfg, target)
+                data = run_data_stage(cfg, target, spec)
                 artifacts["data"] = data.data_key
-                result = train_draft(cfg, target, data, loggers)
+                result = train_draft(cfg, target, data, loggers, spec)
                 draft_dir = result.draft_dir
                 artifacts["train_key"] = result.key
                 train_info = {"key": result.key, "reused": result.reused, "history": result.history,

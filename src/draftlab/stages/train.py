@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Checkpoint
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from draftlab.methods.registry import MethodSpec
 from draftlab.stages.data import target_identity
@@ -133,35 +133,40 @@ def _validation_follows(trainer, batch_idx: int) -> bool:
     return last or (isinstance(every, int) and (batch_idx + 1) % every == 0)
 
 
-def train_key(cfg: DictConfig, data_key: str) -> str:
-    """Content key of a trained draft (see the module docstring)."""
-    spec = MethodSpec(cfg.method)
+def train_key(cfg: DictConfig, data_key: str, spec: MethodSpec | None = None, target_id: dict | None = None) -> str:
+    """Content key of a trained draft (see the module docstring); ``spec``: the run's method, ``target_id``:
+    the data stage's target identity (defaults: from ``cfg``)."""
+    spec = spec or MethodSpec(cfg.method)
+    target_id = target_identity(cfg) if target_id is None else target_id
     trainer = {k: cfg.trainer.get(k) for k in _TRAINER_KEYS_IN_KEY}
     trainer["precision"] = resolve_precision(trainer["precision"], cfg.trainer.get("accelerator"))
     # The convention names the taps in the method config, so it is part of what the draft reads.
     convention = OmegaConf.select(cfg, "target.layer_convention")
-    return content_key("train/2", spec.key_config(), target_identity(cfg), convention, data_key, trainer, cfg.seed)
+    return content_key("train/2", spec.key_config(), target_id, convention, data_key, trainer, cfg.seed)
 
 
 def _callbacks(cfg: DictConfig, root: Path, monitor: str | None) -> tuple[list, HistoryCallback]:
     """The configured callbacks, plus history and resume checkpoints. The configs place checkpoints by
-    interpolation (``train.artifact_dir``, ``train.monitor``), filled in here for this key and method."""
-    with open_dict(cfg):
-        cfg.train.artifact_dir, cfg.train.monitor = str(root), monitor
-    callbacks = [cb for cb in (instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c) if cb is not None]
+    interpolation (``train.artifact_dir``, ``train.monitor``), filled in here for this key and method, in a
+    copy: the run's config (and so its record) stays the same whether the draft is trained or reused."""
+    filled = OmegaConf.merge(cfg, {"train": {"artifact_dir": str(root), "monitor": monitor}})
+    callbacks = [cb for cb in (instantiate(c) for c in (filled.get("callbacks") or {}).values() if c)
+                 if cb is not None]
     history = HistoryCallback(int(cfg.trainer.get("log_every_n_steps", 10)))
     resume = ResumeCheckpoint(root / "checkpoints" / "resume.ckpt", int(cfg.train.checkpoint_every_n_steps))
     return [*callbacks, history, resume], history
 
 
-def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> TrainResult:
+def train_draft(cfg: DictConfig, target, data, loggers: list | None = None, spec: MethodSpec | None = None
+                ) -> TrainResult:
     """Train (or reuse / resume) the draft for ``cfg`` on the data stage's samples; save the best one.
 
     Under several ranks every rank trains; rank 0 alone extracts the offline features (first) and writes the
     summary and the draft (last), the others wait for each and then read them.
     """
-    spec = MethodSpec(cfg.method)
-    key = train_key(cfg, data.data_key)
+    spec = spec or MethodSpec(cfg.method)  # the pipeline builds it once and passes it down
+    target_id = data.target_id if data.target_id is not None else target_identity(cfg)
+    key = train_key(cfg, data.data_key, spec, target_id)
     root = Path(cfg.paths.artifacts) / spec.name / key
     draft_dir = root / "draft"
     if draft_dir.is_dir() and (root / "train_summary.json").exists():  # whatever files the method's format holds
@@ -176,7 +181,7 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None) -> T
     draft = spec.build_draft(target, data.vocab)
     with ranks.main_first("features"):
         features = spec.prepare_features(target=target, draft=draft, samples=data.samples,
-                                         root=Path(cfg.paths.artifacts), key=(target_identity(cfg), data.data_key))
+                                         root=Path(cfg.paths.artifacts), key=(target_id, data.data_key))
     dm = spec.build_datamodule(data.samples, features=features, pad_token_id=target.tokenizer.pad_token_id or 0,
                                seed=int(cfg.seed))
     module = spec.build_module(draft, target)
