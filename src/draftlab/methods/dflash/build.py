@@ -16,6 +16,7 @@ from draftlab.methods.dflash.model import DFlashDraft
 from draftlab.methods.eagle3.config import rope_from_hf_config
 from draftlab.methods.placement import target_device
 from draftlab.targets.base import LayerConvention, to_convention
+from draftlab.utils.errors import ConfigError
 
 
 def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers: int = 5, num_taps: int = 5,
@@ -38,8 +39,9 @@ def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers
     overrides        any other ``DFlashConfig`` field (``rms_norm_eps``, ``rope_theta``, ...).
     """
     if vocab is not None:
-        raise ValueError("DFlash predicts through the target's own LM head over the full vocabulary; "
-                         "set method.draft_vocab_size: null (no reduced draft vocabulary)")
+        raise ConfigError("DFlash (conf/method/dflash.yaml) predicts through the target's own LM head over the "
+                          "full vocabulary; set method.draft_vocab_size: null (an experiment's draft vocabulary for "
+                          "other methods belongs in their method_overrides)")
     init = {k: v for k, v in (init or {}).items() if v is not None}
     if init.get("from"):
         draft = load_artifact(init["from"], target=target)
@@ -48,8 +50,8 @@ def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers
         clash = {k: (v, getattr(draft.config, k)) for k, v in asked.items()
                  if v is not None and getattr(draft.config, k) != (list(v) if k == "target_layer_ids" else v)}
         if clash:
-            raise ValueError(f"method.draft.init.from={init['from']} disagrees with method.draft "
-                             f"(configured, loaded): {clash}")
+            raise ConfigError(f"method.draft.init.from={init['from']} disagrees with method.draft "
+                              f"(configured, loaded): {clash}")
         draft.to(device=target_device(target), dtype=target.dtype).share_target_weights(target)
         return draft
     g = target.geometry

@@ -13,6 +13,7 @@ import torch
 
 from draftlab.methods.eagle3.model import Eagle3Draft
 from draftlab.targets.base import default_aux_layer_ids
+from draftlab.utils.errors import ConfigError
 
 
 def build_draft(*, target, vocab=None, taps: list[int] | None = None, init: dict | None = None,
@@ -32,8 +33,8 @@ def build_draft(*, target, vocab=None, taps: list[int] | None = None, init: dict
         draft = load_draft(str(init["from"]), target=target).float()
         clash = {k: (v, getattr(draft.config, k)) for k, v in overrides.items() if getattr(draft.config, k) != v}
         if clash:
-            raise ValueError(f"method.draft.init.from={init['from']} disagrees with method.draft "
-                             f"(configured, loaded): {clash}")
+            raise ConfigError(f"method.draft.init.from={init['from']} disagrees with method.draft "
+                              f"(configured, loaded): {clash}")
         return draft
     if taps is None:
         taps = default_aux_layer_ids(target.geometry.num_layers, target.layer_convention)
@@ -42,7 +43,7 @@ def build_draft(*, target, vocab=None, taps: list[int] | None = None, init: dict
     if lm_head == "target":
         init_head_from_target(draft, target)
     elif lm_head != "random":
-        raise ValueError(f"method.draft.init.lm_head must be 'random' or 'target', got '{lm_head}'")
+        raise ConfigError(f"must be 'random' or 'target', got '{lm_head}'", field="method.draft.init.lm_head")
     return draft
 
 

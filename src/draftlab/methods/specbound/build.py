@@ -14,6 +14,7 @@ import torch
 from draftlab.methods.placement import target_device
 from draftlab.methods.specbound.heads import ExitHeads, SpecBoundConfig, default_exit_layers
 from draftlab.utils.atomic import atomic_dir
+from draftlab.utils.errors import ConfigError
 
 CONFIG_FILE = "specbound_config.json"
 WEIGHTS_FILE = "heads.safetensors"
@@ -22,10 +23,11 @@ WEIGHTS_FILE = "heads.safetensors"
 def build_draft(target, vocab=None, *, taps=None, exit_layers: list[int] | None = None) -> ExitHeads:
     """Fresh exit heads (identity maps) for ``target``, on its device; ``exit_layers`` None = L/5 .. 4L/5."""
     if vocab is not None:
-        raise ValueError("SpecBound drafts through the target's own LM head over the full vocabulary; "
-                         "set method.draft_vocab_size: null")
+        raise ConfigError("SpecBound (conf/method/specbound.yaml) drafts through the target's own LM head over "
+                          "the full vocabulary; set method.draft_vocab_size: null")
     if taps is not None:
-        raise ValueError("SpecBound reads the target's own layers, not tapped features; set method.taps: null")
+        raise ConfigError("SpecBound (conf/method/specbound.yaml) reads the target's own layers, not tapped "
+                          "features; set method.taps: null")
     g = target.geometry
     layers = [int(i) for i in exit_layers] if exit_layers is not None else default_exit_layers(g.num_layers)
     return ExitHeads(SpecBoundConfig(exit_layers=tuple(layers), num_layers=g.num_layers, hidden_size=g.hidden_size,
