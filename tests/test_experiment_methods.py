@@ -88,7 +88,7 @@ def test_the_cli_refuses_a_knob_the_method_lacks_in_one_line(tmp_path):
 def test_sources_are_a_mapping_whose_data_key_is_the_list_forms(tmp_path, monkeypatch, shared_data):
     from hydra.utils import instantiate
 
-    from draftlab.data.sources import DataSpec
+    from draftlab.data.sources import ConversationSource, DataSpec
     from draftlab.utils.hashing import content_key
 
     monkeypatch.setenv("DRAFTLAB_SHARED_DATA", str(shared_data))
@@ -102,6 +102,8 @@ def test_sources_are_a_mapping_whose_data_key_is_the_list_forms(tmp_path, monkey
     assert list(spec.sources) == ["a"] and spec.sources["a"].name == "a" and spec.sources["a"].limit == 3
     with pytest.raises(ConfigError, match="data.sources.*mapping keyed by name"):
         DataSpec(sources=[{"path": "x.jsonl"}])
+    built = DataSpec(sources=[ConversationSource(path="x.jsonl", name="a")])  # Python callers build sources
+    assert list(built.sources) == ["a"]
     with pytest.raises(ConfigError, match=r"data.sources.a.*\['limt'\]"):
         DataSpec(sources={"a": {"path": "x.jsonl", "limt": 3}})
 

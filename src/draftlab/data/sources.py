@@ -104,11 +104,14 @@ class DataSpec:
 
 def _sources(sources) -> dict[str, ConversationSource]:
     """``{name: ConversationSource}`` from the config mapping (plain settings or built sources; a null entry is
-    a source an experiment dropped). A list is the retired form: refused, naming the new one."""
+    a source an experiment dropped). In config a list is the retired form: refused, naming the new one;
+    built sources (Python callers) may come as a list, keyed by their names."""
     from dataclasses import fields
 
     from draftlab.utils.errors import ConfigError
 
+    if isinstance(sources, (list, tuple)) and sources and all(isinstance(s, ConversationSource) for s in sources):
+        sources = {s.name or Path(str(s.path)).stem: s for s in sources}
     if isinstance(sources, (list, tuple)):
         raise ConfigError("is a list; sources are a mapping keyed by name now: data.sources.<name>: "
                           "{path, format, limit, ...}", field="data.sources")
