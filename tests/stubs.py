@@ -33,13 +33,12 @@ class TableTarget:
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         return KVCache(1, batch_size, 1, 4, max_length)
 
-    def forward(self, input_ids, position_ids=None, cache=None, attn_mask=None, *, return_aux=False,
-                logits_rows=None, input_embeds=None, return_last_hidden=False):
+    def forward(self, input_ids, position_ids=None, cache=None, attn_mask=None, request=None):
         T = input_ids.shape[1]
         if cache is not None:
             cache.reserve(T)
         self.calls.append(T)
         logits = self.table[input_ids]  # [B, T, V]
-        if logits_rows is not None:
-            logits = logits[:, logits_rows]
+        if request is not None and request.logits_rows is not None:
+            logits = logits[:, request.logits_rows]
         return TargetOutput(logits=logits, aux_hidden=None)

@@ -12,6 +12,7 @@ import draftlab.decoding as decoding
 from draftlab.decoding.drafter import Drafter, ExtraRows, NoDrafter, VerifyOutput
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
 from draftlab.decoding.tree import DraftTree, ancestor_mask
+from draftlab.targets.base import PassRequest
 from tests.stubs import TableTarget
 
 CYCLE = {i: i % 9 + 1 for i in range(0, 10)}
@@ -172,7 +173,7 @@ def test_extra_rows_and_taps_through_the_verify_pass(tiny_target):
         torch.testing.assert_close(o.accepted_aux, o.aux[o.kept_path])
     # The taps are the drafter's, in its order: the root row of round 1 against a plain forward.
     seq = prompt + out[:1]
-    ref = tiny_target.forward(torch.tensor([seq]), return_aux=True, aux_layer_ids=taps).aux_hidden[0, -1]
+    ref = tiny_target.forward(torch.tensor([seq]), request=PassRequest(aux=taps)).aux_hidden[0, -1]
     torch.testing.assert_close(drafter.outs[0].aux[0], ref, rtol=0, atol=1e-4)
 
 
@@ -192,7 +193,7 @@ def test_extra_rows_skip_the_lm_head_unless_asked(tiny_target):
 
 def test_attention_rows_reach_the_drafter(tiny_target):
     """A drafter asking for ``attention_rows`` gets the prefill's and every verify pass's attention mass,
-    exactly what ``Target.forward(attn_mass_rows=W)`` reports for those passes; others get none."""
+    exactly what ``Target.forward`` with ``PassRequest(attn_mass_rows=W)`` reports for those passes; others get none."""
 
     class Chain2(Drafter):
         def __init__(self, rows):
@@ -217,7 +218,7 @@ def test_attention_rows_reach_the_drafter(tiny_target):
     g = tiny_target.geometry
     kind, past, mass = d.seen[0]
     assert kind == "prefill" and mass.shape == (g.num_layers, g.num_kv_heads, len(prompt))
-    ref = tiny_target.forward(torch.tensor([prompt]), attn_mass_rows=3).attn_mass[:, 0]
+    ref = tiny_target.forward(torch.tensor([prompt]), request=PassRequest(attn_mass_rows=3)).attn_mass[:, 0]
     torch.testing.assert_close(mass, ref, rtol=0, atol=1e-5)
     verify_passes = d.seen[1:]
     assert verify_passes and all(m.shape[-1] >= len(prompt) + n for _, n, m in verify_passes)

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftlab.methods.eagle3 import Eagle3Config, Eagle3Draft
+from draftlab.targets.base import PassRequest
 
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 
@@ -219,7 +220,7 @@ def engine_chain(reader: EngineDraft, target, prompt: list[int], steps: int) -> 
 def draftlab_chain(draft: Eagle3Draft, target, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
     """The chain as draftlab trains and decodes the draft: its own taps and logits, the pre-norm state fed back."""
     draft.eval()
-    out = target.forward(torch.tensor([prompt]), return_aux=True, aux_layer_ids=draft.tapped_layers(target))
+    out = target.forward(torch.tensor([prompt]), request=PassRequest(aux=draft.tapped_layers(target)))
     root = int(out.logits[0, -1].argmax())
     return _chain(draft, out.aux_hidden, prompt, root, steps, logits_of=draft.compute_logits, fed_back=lambda h: h)
 

@@ -4,6 +4,7 @@ inference computes exactly what training computes."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -72,17 +73,17 @@ class _CheckingTarget:
     def __getattr__(self, name):
         return getattr(self.target, name)
 
-    def forward(self, input_ids, position_ids=None, cache=None, attn_mask=None, *, input_embeds=None, **kw):
+    def forward(self, input_ids, position_ids=None, cache=None, attn_mask=None, request=None):
+        input_embeds = request.input_embeds if request is not None else None
         if input_embeds is None or attn_mask is None:
-            return self.target.forward(input_ids, position_ids, cache, attn_mask, input_embeds=input_embeds, **kw)
+            return self.target.forward(input_ids, position_ids, cache, attn_mask, request)
         n = (input_embeds.shape[1] - self.num_soft) // 2
         past = cache.length
-        # The tree rows alone, as a pass without contemplate rows would run them.
-        plain_kw = {k: v for k, v in kw.items() if k not in ("pinned", "pinned_mask")}  # tree rows see none
-        plain = self.target.forward(None, position_ids[:n], cache, attn_mask[:n, :past + n],
-                                    input_embeds=input_embeds[:, :n], **plain_kw)
+        # The tree rows alone, as a pass without contemplate rows would run them (tree rows see no pinned rows).
+        plain_request = replace(request, input_embeds=input_embeds[:, :n], pinned=None, pinned_mask=None)
+        plain = self.target.forward(None, position_ids[:n], cache, attn_mask[:n, :past + n], plain_request)
         k_plain = cache.k[:, :, :, past:past + n].clone()
-        out = self.target.forward(None, position_ids, cache, attn_mask, input_embeds=input_embeds, **kw)
+        out = self.target.forward(None, position_ids, cache, attn_mask, request)
         errs = [(out.logits[0, :n] - plain.logits[0]).abs().max(),
                 (out.aux_hidden[0, :n] - plain.aux_hidden[0]).abs().max(),
                 (cache.k[:, :, :, past:past + n] - k_plain).abs().max()]
@@ -235,10 +236,12 @@ class _RowCounter:
     def __getattr__(self, name):
         return getattr(self.target, name)
 
-    def forward(self, *args, input_embeds=None, **kw):
+    def forward(self, *args, **kw):
+        request = args[4] if len(args) > 4 else kw.get("request")
+        input_embeds = request.input_embeds if request is not None else None
         if input_embeds is not None and len(args) > 3 and args[3] is not None:  # a verify pass (tree mask)
             self.rows.append(input_embeds.shape[1])
-        return self.target.forward(*args, input_embeds=input_embeds, **kw)
+        return self.target.forward(*args, **kw)
 
 
 def test_pinned_soft_prompts_compute_what_soft_prompt_rows_compute(tiny_target, trained):

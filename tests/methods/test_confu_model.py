@@ -18,6 +18,7 @@ from draftlab.methods.confu import (
 )
 from draftlab.methods.eagle3 import Eagle3Draft, ttt_forward
 from draftlab.methods.eagle3.export.native import save_native
+from draftlab.targets.base import PassRequest
 
 VD = 128
 
@@ -208,10 +209,10 @@ def test_forward_with_grad_matches_forward_and_leaves_the_cache_alone(tiny_targe
     mask[1, :, 4:9] = False
     pos = torch.tensor([[9, 10, 11], [3, 4, 5]])
     k_before = cache.k.clone()
-    ref = tiny_target.forward(None, pos, cache, mask, return_aux=True, input_embeds=emb)
+    ref = tiny_target.forward(None, pos, cache, mask, request=PassRequest(aux=True, input_embeds=emb))
     cache.k.copy_(k_before)
     x = emb.clone().requires_grad_(True)
-    got = tiny_target.forward_with_grad(None, pos, cache, mask, return_aux=True, input_embeds=x)
+    got = tiny_target.forward_with_grad(None, pos, cache, mask, request=PassRequest(aux=True, input_embeds=x))
     assert torch.equal(cache.k, k_before) and cache.length == 9  # read only
     assert torch.allclose(got.logits, ref.logits, atol=1e-5)
     assert torch.allclose(got.aux_hidden, ref.aux_hidden, atol=1e-5)
@@ -223,7 +224,7 @@ def test_forward_with_grad_matches_forward_and_leaves_the_cache_alone(tiny_targe
     d = torch.randn_like(emb)
     eps = 1e-3
     with torch.no_grad():
-        plus = tiny_target.forward_with_grad(None, pos, cache, mask, return_aux=True, input_embeds=emb + eps * d)
-        minus = tiny_target.forward_with_grad(None, pos, cache, mask, return_aux=True, input_embeds=emb - eps * d)
+        plus = tiny_target.forward_with_grad(None, pos, cache, mask, request=PassRequest(aux=True, input_embeds=emb + eps * d))
+        minus = tiny_target.forward_with_grad(None, pos, cache, mask, request=PassRequest(aux=True, input_embeds=emb - eps * d))
     fd = ((plus.aux_hidden - minus.aux_hidden) * w).sum() / (2 * eps)
     assert torch.allclose(fd, (x.grad * d).sum(), rtol=1e-2)

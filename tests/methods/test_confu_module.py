@@ -80,13 +80,16 @@ def test_target_rows_are_n_plus_s_plus_k(tiny_target, monkeypatch):
     calls = []
     fwd, fwd_grad = type(tiny_target).forward, type(tiny_target).forward_with_grad
 
+    def embeds(a, kw):
+        return (a[4] if len(a) > 4 else kw["request"]).input_embeds
+
     def spy(self, *a, **kw):
-        x = a[0] if a and a[0] is not None else kw["input_embeds"]
+        x = a[0] if a and a[0] is not None else embeds(a, kw)
         calls.append(("forward", x.shape[1], torch.is_grad_enabled()))
         return fwd(self, *a, **kw)
 
     def spy_grad(self, *a, **kw):
-        calls.append(("forward_with_grad", kw["input_embeds"].shape[1], torch.is_grad_enabled()))
+        calls.append(("forward_with_grad", embeds(a, kw).shape[1], torch.is_grad_enabled()))
         return fwd_grad(self, *a, **kw)
 
     monkeypatch.setattr(type(tiny_target), "forward", spy)

@@ -13,6 +13,7 @@ from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, 
 from draftlab.decoding.sampling import logits_to_probs
 from draftlab.methods.dflash import DFlashDrafter, build_draft
 from draftlab.methods.dflash.blocks import block_logits, block_loss, make_blocks
+from draftlab.targets.base import PassRequest
 from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT, train_sequences
 
 BS = 4
@@ -20,8 +21,7 @@ N_DRAWS = 200  # draws of the sampled block from one state: ~3 s on one core
 
 
 def _aux(target, draft, ids):
-    return target.forward(ids, return_aux=True, aux_layer_ids=draft.tapped_layers(target),
-                          logits_rows=torch.arange(0)).aux_hidden  # [B, T, n_taps*d]
+    return target.forward(ids, request=PassRequest(aux=draft.tapped_layers(target), logits_rows=torch.arange(0))).aux_hidden  # [B, T, n_taps*d]
 
 
 @pytest.fixture(scope="module")

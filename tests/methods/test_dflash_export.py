@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from draftlab.methods.dflash import build_draft
 from draftlab.methods.dflash.blocks import block_logits, make_blocks
 from draftlab.methods.dflash.export import load, save, validate
+from draftlab.targets.base import PassRequest
 
 BS = 4
 
@@ -36,8 +37,7 @@ def _outputs(draft, target):
     ones = torch.ones_like(ids)
     blocks = make_blocks(ids, ones, ones, block_size=BS, mask_token_id=draft.config.mask_token_id,
                          anchors=torch.tensor([[3, 9]]))
-    aux = target.forward(ids, return_aux=True, aux_layer_ids=draft.tapped_layers(target),
-                         logits_rows=torch.arange(0)).aux_hidden
+    aux = target.forward(ids, request=PassRequest(aux=draft.tapped_layers(target), logits_rows=torch.arange(0))).aux_hidden
     return block_logits(draft, aux, blocks)
 
 

@@ -20,6 +20,7 @@ from draftlab.methods.dflash.blocks import (
 from draftlab.methods.dflash.config import position_weights
 from draftlab.methods.dflash.model import block_attention
 from draftlab.methods.eagle3.model import masked_attention
+from draftlab.targets.base import PassRequest
 
 BS = 4
 
@@ -41,8 +42,7 @@ def _batch(target, draft, T=20, seed=0):
 
 
 def _aux(target, draft, ids):
-    return target.forward(ids, return_aux=True, aux_layer_ids=draft.tapped_layers(target),
-                          logits_rows=torch.arange(0)).aux_hidden  # [B, T, n_taps*d]
+    return target.forward(ids, request=PassRequest(aux=draft.tapped_layers(target), logits_rows=torch.arange(0))).aux_hidden  # [B, T, n_taps*d]
 
 
 def test_default_taps_follow_dflash():

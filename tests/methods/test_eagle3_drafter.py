@@ -12,9 +12,10 @@ import torch
 import draftlab.methods.eagle3.drafter as drafter_module
 from draftlab.data.vocab import build_vocab_mapping
 from draftlab.decoding.drafter import DecodeState
+from draftlab.decoding.dynamic_tree import build_dynamic_tree
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
-from draftlab.decoding.tree import build_dynamic_tree
 from draftlab.methods.eagle3 import CacheAttention, Eagle3Draft, Eagle3Drafter, ttt_forward
+from draftlab.targets.base import PassRequest
 from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT, train_sequences
 
 
@@ -36,7 +37,7 @@ def trained(tiny_target):
             ids[i, :n], attn[i, :n] = torch.tensor(seq), True
             # Row t predicts x_{t+2}: from the prompt's last row on, what the drafter proposes after a root.
             loss_mask[i, len(prompt) - 1:n] = 1
-            out = tiny_target.forward(torch.tensor([seq]), return_aux=True)
+            out = tiny_target.forward(torch.tensor([seq]), request=PassRequest(aux=True))
             aux[i, :n], logits[i, :n] = out.aux_hidden[0], out.logits[0]
         freq = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=V)
         mapping = build_vocab_mapping(freq, 256)
@@ -60,7 +61,7 @@ def _fresh_pass(draft, target, seq):
 
     Returns (projected features [1, n-1, d], output states [1, n-1, d], logits [1, n-1, V_d]).
     """
-    out = target.forward(torch.tensor([seq[:-1]]), return_aux=True)
+    out = target.forward(torch.tensor([seq[:-1]]), request=PassRequest(aux=True))
     g = draft.project(out.aux_hidden)  # [1, n-1, d]
     ids = torch.tensor([seq[1:]])  # [1, n-1]
     h, logits = draft.forward_step(ids, g, torch.arange(len(seq) - 1))  # [1, n-1, d], [1, n-1, V_d]
@@ -259,13 +260,13 @@ def test_engine_captures_the_drafts_taps_not_the_targets(tiny_target):
     assert drafter.aux_layers(tiny_target) == taps
     prompt = [5, 6, 7, 8, 9, 10]
     out, _ = speculative_generate(tiny_target, prompt, drafter, GenerationConfig(max_new_tokens=2, stop_on_eos=False))
-    ref = tiny_target.forward(torch.tensor([prompt]), return_aux=True, aux_layer_ids=taps).aux_hidden[0]
+    ref = tiny_target.forward(torch.tensor([prompt]), request=PassRequest(aux=taps)).aux_hidden[0]
     torch.testing.assert_close(drafter.prefill_aux, ref, rtol=0, atol=1e-5)
-    default = tiny_target.forward(torch.tensor([prompt]), return_aux=True).aux_hidden[0]
+    default = tiny_target.forward(torch.tensor([prompt]), request=PassRequest(aux=True)).aux_hidden[0]
     assert not torch.allclose(drafter.prefill_aux, default, atol=1e-3)
     # The verify pass taps the same layers: the root row's aux is the next position's features.
     seq = prompt + out[:1]
-    ref = tiny_target.forward(torch.tensor([seq]), return_aux=True, aux_layer_ids=taps).aux_hidden[0, -1]
+    ref = tiny_target.forward(torch.tensor([seq]), request=PassRequest(aux=taps)).aux_hidden[0, -1]
     assert int(drafter.round_tokens[0]) == seq[-1]
     torch.testing.assert_close(drafter.round_aux[0], ref, rtol=0, atol=1e-4)
 

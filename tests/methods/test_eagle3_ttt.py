@@ -16,6 +16,7 @@ from draftlab.methods.eagle3 import (
     ttt_forward,
 )
 from draftlab.methods.eagle3.ttt import _shift_left
+from draftlab.targets.base import PassRequest
 
 D, DT, V, VD = 32, 16, 50, 20
 
@@ -242,7 +243,7 @@ def test_end_to_end_tiny_target_training_reduces_loss(tiny_target):
     attn[1, 18:] = 0
     loss_mask = attn.clone()
     loss_mask[:, :4] = 0
-    out = tiny_target.forward(ids, return_aux=True)
+    out = tiny_target.forward(ids, request=PassRequest(aux=True))
     aux, logits = out.aux_hidden, out.logits  # [2, 24, 192], [2, 24, 49152]
     # Draft vocabulary from the target's own greedy tokens, as with regenerated training data.
     freq = torch.bincount(logits.argmax(-1).flatten(), minlength=logits.shape[-1])

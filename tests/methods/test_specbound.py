@@ -13,6 +13,7 @@ from draftlab.methods.specbound.build import build_draft, load_artifact, save_ar
 from draftlab.methods.specbound.drafter import SpecBoundDrafter
 from draftlab.methods.specbound.heads import SpecBoundConfig, act_temperature, default_exit_layers
 from draftlab.methods.specbound.module import SpecBoundModule, chain_lengths, first_exit
+from draftlab.targets.base import PassRequest
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +118,7 @@ def _exit_head_logits(target, heads, ids: torch.Tensor, layers, start: int) -> d
     """Per exit layer, the head's logits ``[T - start, V]`` at rows ``start:`` of ``ids [1, T]``, from one plain
     causal forward (the residual stream after ``l`` layers is the output of layer ``l - 1``), independent of
     the drafter's layer-level cache."""
-    aux = target.forward(ids, return_aux=True, aux_layer_ids=[layer - 1 for layer in layers],
-                         logits_rows=torch.arange(0)).aux_hidden[:, start:]  # [1, T - start, n*d]
+    aux = target.forward(ids, request=PassRequest(aux=[layer - 1 for layer in layers], logits_rows=torch.arange(0))).aux_hidden[:, start:]  # [1, T - start, n*d]
     return {layer: heads.logits(target, h, layer)[0].float()
             for layer, h in zip(layers, aux.split(target.geometry.hidden_size, -1))}
 
@@ -241,7 +241,7 @@ def _validation_by_hand(module, batch) -> dict[str, float]:
     layer's; its chain is the run of right positions from it, at most w_max long."""
     target, heads, tau = module.target, module.draft, module.tau
     ids = batch["input_ids"]
-    out = target.forward(ids, return_aux=True, aux_layer_ids=[layer - 1 for layer in heads.exit_layers])
+    out = target.forward(ids, request=PassRequest(aux=[layer - 1 for layer in heads.exit_layers]))
     logp = torch.log_softmax(out.logits.float(), -1)  # [B, T, V]
     n, L = ids.numel(), target.geometry.num_layers
     logs, exit_at, right = {}, torch.zeros(ids.shape, dtype=torch.long), torch.zeros(ids.shape, dtype=torch.bool)

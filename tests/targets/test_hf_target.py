@@ -8,6 +8,7 @@ from draftlab.targets import (
     to_convention,
     to_hf_hidden_index,
 )
+from draftlab.targets.base import PassRequest
 
 
 def test_default_ids_name_the_same_tensors():
@@ -23,7 +24,7 @@ def _check_aux_against_hf(target, ids, convention):
     target.layer_convention = LayerConvention(convention)
     target.aux_layer_ids = ids
     x = torch.randint(0, 2000, (2, 17), generator=torch.Generator().manual_seed(1))
-    out = target.forward(x, return_aux=True)
+    out = target.forward(x, request=PassRequest(aux=True))
     ref = target.model(x, output_hidden_states=True)
     d = target.geometry.hidden_size
     for j, i in enumerate(ids):
@@ -47,7 +48,7 @@ def test_aux_hidden_matches_hf_tiny(convention):
 def test_last_layer_output_is_pre_norm():
     t = load_target("tiny_random", aux_layer_ids=[1])
     x = torch.randint(0, 2000, (1, 9))
-    out = t.forward(x, return_aux=True)
+    out = t.forward(x, request=PassRequest(aux=True))
     ref = t.model(x, output_hidden_states=True)
     torch.testing.assert_close(t.model.model.norm(out.aux_hidden), ref.hidden_states[-1], rtol=0, atol=1e-5)
 
@@ -102,7 +103,7 @@ def test_target_protocol_lists_what_callers_use(tiny_target):
 
 def test_embed_norm_head_are_the_forward_pieces(tiny_target):
     x = torch.randint(0, 5000, (2, 7), generator=torch.Generator().manual_seed(6))  # [B, T]
-    out = tiny_target.forward(x, return_last_hidden=True)
+    out = tiny_target.forward(x, request=PassRequest(last_hidden=True))
     h = tiny_target.forward_layers(tiny_target.embed(x), 0, tiny_target.geometry.num_layers).hidden  # [B, T, d]
     with torch.no_grad():
         assert torch.equal(tiny_target.final_norm(h), out.last_hidden)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from draftlab.decoding.tree import DraftTree, ancestor_mask
+from draftlab.targets.base import PassRequest
 from draftlab.targets.tiny import tiny_random_target
 
 ATOL = 1e-5
@@ -45,7 +46,7 @@ def test_layer_ranges_compose_to_forward(deep, cuts):
     ids = torch.randint(0, 5000, (1, 23), generator=g)  # [1, P]
     ref_cache, cache = deep.new_cache(1, 64), deep.new_cache(1, 64)
 
-    ref = deep.forward(ids, cache=ref_cache, return_aux=True)
+    ref = deep.forward(ids, cache=ref_cache, request=PassRequest(aux=True))
     got, aux = _composed(deep, ids, cuts, cache=cache)
     torch.testing.assert_close(got, ref.logits, rtol=0, atol=ATOL)
     torch.testing.assert_close(aux, ref.aux_hidden, rtol=0, atol=ATOL)
@@ -53,7 +54,7 @@ def test_layer_ranges_compose_to_forward(deep, cuts):
     cache.commit(ids.shape[1])
 
     step = torch.tensor([[4242]])  # [1, 1]
-    ref = deep.forward(step, cache=ref_cache, return_aux=True)
+    ref = deep.forward(step, cache=ref_cache, request=PassRequest(aux=True))
     got, aux = _composed(deep, step, cuts, cache=cache)
     torch.testing.assert_close(got, ref.logits, rtol=0, atol=ATOL)
     torch.testing.assert_close(aux, ref.aux_hidden, rtol=0, atol=ATOL)
@@ -64,7 +65,7 @@ def test_layer_ranges_compose_to_forward(deep, cuts):
     past = cache.length
     mask = torch.cat([torch.ones(tree.size, past, dtype=torch.bool), ancestor_mask(tree.parents)], 1)  # [N, past + N]
     pos = past + tree.depth  # [N]
-    ref = deep.forward(tree.tokens[None], pos, ref_cache, mask, return_aux=True)
+    ref = deep.forward(tree.tokens[None], pos, ref_cache, mask, request=PassRequest(aux=True))
     got, aux = _composed(deep, tree.tokens[None], cuts, cache=cache, position_ids=pos, attn_mask=mask)
     torch.testing.assert_close(got, ref.logits, rtol=0, atol=ATOL)
     torch.testing.assert_close(aux, ref.aux_hidden, rtol=0, atol=ATOL)
@@ -180,7 +181,7 @@ def test_layer_ranges_and_full_view_on_smollm2(smollm2):
     P = ids.shape[1]
     ref_cache, cache = t.new_cache(1, P + 32), t.new_cache(1, P + 32)
     cuts = (L // 3, 2 * L // 3)
-    ref = t.forward(ids, cache=ref_cache, return_aux=True)
+    ref = t.forward(ids, cache=ref_cache, request=PassRequest(aux=True))
     got, aux = _composed(t, ids, cuts, cache=cache)
     torch.testing.assert_close(got, ref.logits, rtol=0, atol=ATOL)
     torch.testing.assert_close(aux, ref.aux_hidden, rtol=0, atol=ATOL)

@@ -7,13 +7,14 @@ import torch
 
 from draftlab.decoding.cache import PinnedKV
 from draftlab.decoding.tree import ancestor_mask
+from draftlab.targets.base import PassRequest
 
 
 def _pinned(target, embeds):
     # P rows that see only each other (causally), at positions 0..P-1: a pass of their own, captured.
     P = embeds.shape[0]
     cache = target.new_cache(1, P)
-    target.forward(None, torch.arange(P), cache, input_embeds=embeds[None], logits_rows=torch.arange(0))
+    target.forward(None, torch.arange(P), cache, request=PassRequest(input_embeds=embeds[None], logits_rows=torch.arange(0)))
     cache.commit(P)
     return PinnedKV.capture(cache)
 
@@ -60,7 +61,7 @@ def test_pinned_rows_equal_rows_in_the_pass(tiny_target, kernel, monkeypatch):
     mask[n + P:, past + n + P:] = torch.eye(n, dtype=torch.bool)
     embeds = torch.cat([t.embed(tokens[None])[0], side, side[:1].expand(n, -1) * 0.3])
     pos = torch.cat([past + depth, torch.arange(P), probe_pos])
-    full = t.forward(None, pos, cache, mask, input_embeds=embeds[None], return_aux=True)
+    full = t.forward(None, pos, cache, mask, request=PassRequest(aux=True, input_embeds=embeds[None]))
 
     # (b) side rows pinned: [tree | probes] + pinned keys for the probes only.
     cache_b = _prefix_cache(t, prefix, 2 * n)
@@ -74,8 +75,7 @@ def test_pinned_rows_equal_rows_in_the_pass(tiny_target, kernel, monkeypatch):
     pmask = torch.cat([torch.zeros(n, P, dtype=torch.bool), torch.ones(n, P, dtype=torch.bool)])
     embeds_b = torch.cat([embeds[:n], embeds[n + P:]])
     pos_b = torch.cat([past + depth, probe_pos])
-    part = t.forward(None, pos_b, cache_b, mask_b, input_embeds=embeds_b[None], return_aux=True,
-                     pinned=pinned, pinned_mask=pmask)
+    part = t.forward(None, pos_b, cache_b, mask_b, request=PassRequest(aux=True, input_embeds=embeds_b[None], pinned=pinned, pinned_mask=pmask))
 
     keep = torch.cat([torch.arange(n), torch.arange(n + P, R)])
     torch.testing.assert_close(part.logits[0], full.logits[0, keep], rtol=0, atol=1e-5)
@@ -85,8 +85,7 @@ def test_pinned_rows_equal_rows_in_the_pass(tiny_target, kernel, monkeypatch):
     # A probe that may not see the side rows is a different row: the mask is honoured.
     pmask_off = pmask.clone()
     pmask_off[-1] = False
-    off = t.forward(None, pos_b, _prefix_cache(t, prefix, 2 * n), mask_b, input_embeds=embeds_b[None],
-                    pinned=pinned, pinned_mask=pmask_off)
+    off = t.forward(None, pos_b, _prefix_cache(t, prefix, 2 * n), mask_b, request=PassRequest(input_embeds=embeds_b[None], pinned=pinned, pinned_mask=pmask_off))
     assert (off.logits[0, -1] - part.logits[0, -1]).abs().max() > 1e-3
     torch.testing.assert_close(off.logits[0, :-1], part.logits[0, :-1], rtol=0, atol=1e-5)
 
@@ -96,9 +95,9 @@ def test_pinned_argument_errors(tiny_target):
     pinned = _pinned(t, torch.randn(3, t.geometry.hidden_size))
     ids = torch.tensor([[1, 2]])
     with pytest.raises(ValueError, match="pinned_mask must be"):
-        t.forward(ids, pinned=pinned, pinned_mask=torch.ones(2, 4, dtype=torch.bool))
+        t.forward(ids, request=PassRequest(pinned=pinned, pinned_mask=torch.ones(2, 4, dtype=torch.bool)))
     with pytest.raises(ValueError, match="without pinned keys"):
-        t.forward(ids, pinned_mask=torch.ones(2, 3, dtype=torch.bool))
+        t.forward(ids, request=PassRequest(pinned_mask=torch.ones(2, 3, dtype=torch.bool)))
     bad = PinnedKV(pinned.k[:1], pinned.v[:1])
     with pytest.raises(ValueError, match="do not fit"):
-        t.forward(ids, pinned=bad)
+        t.forward(ids, request=PassRequest(pinned=bad))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from draftlab.targets import load_target
+from draftlab.targets.base import PassRequest
 
 
 def _fused(t) -> list[torch.Tensor]:
@@ -43,7 +44,7 @@ def test_a_dtype_round_trip_gives_the_same_forward(move):
     """``target.to`` and a bare ``target.model.to`` (noticed at the next forward) both re-fuse."""
     t = load_target("tiny_random")
     ids = _ids()
-    before = t.forward(ids, return_aux=True)
+    before = t.forward(ids, request=PassRequest(aux=True))
     mover = t if move == "target" else t.model
     mover.to(dtype=torch.float64)
     wide = t.forward(ids)
@@ -52,7 +53,7 @@ def test_a_dtype_round_trip_gives_the_same_forward(move):
     torch.testing.assert_close(wide.logits.float(), before.logits, rtol=1e-4, atol=1e-4)
     assert _shares_fused_storage(t)
     mover.to(dtype=torch.float32)
-    after = t.forward(ids, return_aux=True)
+    after = t.forward(ids, request=PassRequest(aux=True))
     assert torch.equal(after.logits, before.logits) and torch.equal(after.aux_hidden, before.aux_hidden)
     assert _shares_fused_storage(t)
     # The single-row head (the CPU fast path) agrees with the forward's head after the moves, too.

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from draftlab.data.template import RenderedSample
+from draftlab.targets.base import PassRequest
 from draftlab.utils.atomic import atomic_write_text
 from draftlab.utils.hashing import content_key
 from draftlab.utils.logging import get_logger
@@ -91,8 +92,9 @@ def precompute_features(target, samples: Sequence[RenderedSample], root: str | P
         ids = torch.full((len(batch), width), 0, dtype=torch.long)  # [B, T]
         for row, i in enumerate(batch):
             ids[row, : len(samples[i].input_ids)] = torch.tensor(samples[i].input_ids)
-        out = target.forward(ids.to(target.device), return_aux=True, return_last_hidden=True, logits_rows=torch.arange(0),
-                             aux_layer_ids=None if aux_layer_ids is None else list(aux_layer_ids))
+        taps = True if aux_layer_ids is None else list(aux_layer_ids)  # True: the target's default taps
+        out = target.forward(ids.to(target.device),
+                             request=PassRequest(aux=taps, last_hidden=True, logits_rows=torch.arange(0)))
         for row, i in enumerate(batch):
             t = len(samples[i].input_ids)
             tensors = {"aux": out.aux_hidden[row, :t].to(store_dtype).contiguous().cpu(),  # [T, 3*d_t]

@@ -9,8 +9,7 @@ Every member the engine calls is declared on ``Drafter`` with a default, and dra
 explicitly to inherit those defaults, so the engine never probes a drafter for optional methods:
 
 - ``aux_layers(target)``: target layers whose hidden states the drafter reads (target's convention).
-  The engine passes them as ``target.forward(..., return_aux=True, aux_layer_ids=...)`` in the prefill
-  and in every verify pass. ``None`` (default): no aux states are computed at all.
+  The engine asks the target for them (``PassRequest(aux=...)``) in the prefill and in every verify pass. ``None`` (default): no aux states are computed at all.
 - ``verify_rows(cfg)``: rows of the largest verify pass (tree nodes + extra rows); the engine sizes the
   target cache's scratch for ``max(cfg.max_tree_rows, verify_rows)``. ``None``: ``cfg.max_tree_rows``.
 - ``extra_rows(state, tree)``: rows appended after the tree in the verify pass (default ``None``).
@@ -19,12 +18,15 @@ explicitly to inherit those defaults, so the engine never probes a drafter for o
   equal a full forward over the tree, with every layer's K/V of the tree rows written at the scratch
   slots ``cache.length + i``. Default ``None``: the engine runs ``target.forward``. The verifier is the same.
 - ``attention_rows()``: W, to be handed the attention mass the last W rows of the prefill and of every
-  verify pass put on each cache slot, per layer and KV head (``Target.forward(attn_mass_rows=W)``), as
+  verify pass put on each cache slot, per layer and KV head (``PassRequest(attn_mass_rows=W)``), as
   ``state.attn_mass`` / ``out.attn_mass [L, Hkv, S]``. A by-product of the passes' own softmax. ``None``
   (default): not computed.
 - ``reset(state)`` once per sequence after prefill, ``propose(state)`` and ``update(state, out)`` per round.
 - ``sequence_stats()`` once per sequence at the end: a flat ``{name: number}`` of what the drafter did
   (SpecBound's exit depths), kept in ``DecodeStats.drafter_stats`` and in answer records. Default ``None``.
+- ``close()`` once, by whoever built the drafter, when it is done with it (also after an error): a drafter
+  that holds a worker process, a server connection or a file releases it here. Default: nothing held.
+  Owners use ``with contextlib.closing(drafter):`` or ``closing_all`` for several.
 
 What may decide the verified tree (the one rule every drafter keeps, whatever else it does): **what is
 verified may depend on the draft distribution, never on the sampled values, unless the drafter reports the
@@ -81,6 +83,8 @@ How every method on the roadmap fits:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -217,6 +221,21 @@ class Drafter(Protocol):
     def sequence_stats(self) -> dict[str, float] | None:
         """Numbers about the sequence just decoded (``{name: int | float}``), or ``None`` (the default)."""
         return None
+
+    def close(self) -> None:
+        """Release what the drafter holds outside Python's reach (worker processes, connections); called once
+        by its owner when done, also after an error. The default holds nothing."""
+
+
+@contextmanager
+def closing_all(*drafters: Drafter | None) -> Iterator[None]:
+    """Close every drafter given (``None`` entries skipped) on leaving the block, even when it raises; a
+    drafter whose ``close`` raises does not keep the others open."""
+    with ExitStack() as stack:
+        for d in drafters:
+            if d is not None:
+                stack.callback(d.close)
+        yield
 
 
 class NoDrafter(Drafter):

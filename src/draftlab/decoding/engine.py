@@ -1,6 +1,8 @@
-"""The decoding loop: prefill, then rounds of propose -> verify (one target pass) -> commit.
+"""The decoding loop: prefill, then rounds of propose -> pass -> verify -> commit -> update.
 
-One loop for every method. Lossless by construction: the only thing that decides which tokens are emitted
+Each round the drafter proposes a tree, one target pass (``VerifyPass``, built once per round: the tree
+rows, the drafter's extra rows and the ``PassRequest`` of what else to compute) scores it, the verifier
+picks the accepted path, the cache and sequence keep it, and the drafter absorbs the outcome. One loop for every method. Lossless by construction: the only thing that decides which tokens are emitted
 is ``verify``, whose greedy rule reproduces argmax decoding and whose sampling rules reproduce the target
 distribution. The AR baseline at the bottom uses the same cache, target forward and sampling code.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,6 +19,7 @@ from draftlab.decoding.drafter import DecodeState, Drafter, ExtraOutput, ExtraRo
 from draftlab.decoding.sampling import logits_to_probs, sample
 from draftlab.decoding.tree import DraftTree, ancestor_mask
 from draftlab.decoding.verify import VerifyResult, verify
+from draftlab.targets.base import PassRequest, TargetOutput
 
 
 @dataclass
@@ -27,7 +30,7 @@ class GenerationConfig:
     top_p: float | None = None
     seed: int | None = None
     stop_on_eos: bool = True
-    # Scratch room past the context for the largest verify pass (tree nodes + extra rows); the engine
+    # Scratch room past the context for the largest verify pass (tree nodes + extra rows); ``scratch_rows``
     # raises it to ``drafter.verify_rows(cfg)`` when the drafter declares more.
     max_tree_rows: int = 128
 
@@ -106,21 +109,37 @@ def _generator(cfg: GenerationConfig, device: torch.device) -> torch.Generator |
     return torch.Generator(device=device).manual_seed(cfg.seed)
 
 
-def _mass(out, rows: int | None) -> torch.Tensor | None:
+def scratch_rows(cfg: GenerationConfig, drafter: Drafter | None = None) -> int:
+    """Cache rows past the context a sequence reserves for its largest verify pass: ``cfg.max_tree_rows``,
+    raised to what the drafter declares (``Drafter.verify_rows``). The only place scratch is sized."""
+    declared = drafter.verify_rows(cfg) if drafter is not None else None
+    return max(cfg.max_tree_rows, int(declared or 0))
+
+
+def pass_request(target, drafter: Drafter) -> PassRequest:
+    """What every pass of a sequence computes for ``drafter`` besides logits: its aux taps and attention mass.
+
+    A drafter that asks for neither gets a plain request, so targets without those features (stubs) work."""
+    taps = drafter.aux_layers(target)
+    mass_rows = drafter.attention_rows()
+    return PassRequest(aux=list(taps) if taps else False, attn_mass_rows=int(mass_rows) if mass_rows else 0)
+
+
+def _mass(out, rows: int) -> torch.Tensor | None:
     """The attention mass of a pass's output ``[L, Hkv, S]`` (batch 1) when the drafter asked for it."""
     if not rows:
         return None
     if out.attn_mass is None:
         raise RuntimeError("the drafter asks for attention_rows, but the verify pass returned no attn_mass "
-                           "(a drafter's verify_forward must pass attn_mass_rows on to the target)")
+                           "(a drafter's verify_forward must ask the target for PassRequest.attn_mass_rows)")
     return out.attn_mass[:, 0]
 
 
-def _prefill(target, prompt_ids: list[int], cfg: GenerationConfig, scratch: int, aux_kw: dict):
+def _prefill(target, prompt_ids: list[int], cfg: GenerationConfig, scratch: int, base: PassRequest):
     cache = target.new_cache(1, len(prompt_ids) + cfg.max_new_tokens + scratch)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)  # [1, P]
-    out = target.forward(ids, cache=cache, logits_rows=torch.tensor([len(prompt_ids) - 1], device=target.device),
-                         **aux_kw)
+    last = torch.tensor([len(prompt_ids) - 1], device=target.device)  # only the last row's logits are sampled
+    out = target.forward(ids, None, cache, None, replace(base, logits_rows=last))
     cache.commit(len(prompt_ids))
     return cache, out
 
@@ -135,26 +154,62 @@ def _stop_index(tokens: list[int], eos: set[int], budget: int, stop_on_eos: bool
     return n
 
 
-def verify_inputs(target, tree: DraftTree, extra: ExtraRows | None, past: int):
-    """(input ids or None, input embeds or None, positions [rows], mask [rows, past + rows]) of a verify pass."""
-    device = target.device
-    n = tree.size
+@dataclass
+class VerifyPass:
+    """One round's target pass, built once per round: which rows run, where, what they see, what comes back.
+
+    Rows ``[0, n)`` are the tree's nodes, rows ``[n, n + R)`` the drafter's extra rows (``ExtraRows``)."""
+
+    ids: torch.Tensor | None  # [1, N] tree tokens; None when extra rows make it ``request.input_embeds``
+    positions: torch.Tensor  # [N + R] past + depth for tree rows, the extra rows' own
+    mask: torch.Tensor  # bool [N + R, past + N + R]
+    request: PassRequest  # the sequence's taps / mass rows, plus the extra rows' embeds, logits, pinned rows
+    past: int  # committed length before the pass: the root's position
+    n: int
+    extra: ExtraRows | None = None
+
+    def run(self, target, cache) -> TargetOutput:
+        return target.forward(self.ids, self.positions, cache, self.mask, self.request)
+
+    def extra_output(self, vout: TargetOutput) -> ExtraOutput | None:
+        """The target's outputs at the extra rows, typed for ``Drafter.update``."""
+        if self.extra is None:
+            return None
+        n = self.n
+        return ExtraOutput(logits=vout.logits[0, n:] if self.extra.want_logits else None,  # [R, V]
+                           aux=vout.aux_hidden[0, n:] if vout.aux_hidden is not None else None,  # [R, n_aux*d]
+                           hidden=vout.last_hidden[0, n:] if self.extra.want_hidden else None)  # [R, d]
+
+
+def verify_pass(target, tree: DraftTree, extra: ExtraRows | None, past: int, base: PassRequest,
+                scratch: int | None = None) -> VerifyPass:
+    """The verify pass of ``tree`` (plus ``extra`` rows) over ``past`` committed rows; ``scratch``: the rows
+    the cache reserves, which the pass may not exceed."""
+    device, n = target.device, tree.size
     # Each node sees the whole committed prefix plus its own ancestors; position = past + depth.
     tree_mask = ancestor_mask(tree.parents).to(device)  # [N, N]
     ids = tree.tokens.to(device)[None]  # [1, N]
     pos = past + tree.depth.to(device)  # [N]
-    embeds = None
-    if extra is not None:
-        r = extra.num_rows
-        tree_mask = torch.cat([torch.cat([tree_mask, tree_mask.new_zeros(n, r)], 1), extra.tree_mask.to(device)], 0)
-        embeds = torch.cat([target.embed(ids)[0], extra.embeds.to(device)], 0)[None]
-        pos = torch.cat([pos, extra.position_ids.to(device)])  # [N + R]
-        ids = None
-    rows = tree_mask.shape[0]
-    mask = torch.cat([tree_mask.new_ones(rows, past), tree_mask], 1)  # [rows, past + rows]
-    if extra is not None and extra.sees_prefix is not None:
+    rows = n + (extra.num_rows if extra is not None else 0)
+    if scratch is not None and rows > scratch:
+        raise RuntimeError(f"a verify pass of {rows} rows (tree {n} + extra {rows - n}) exceeds the {scratch} "
+                           "scratch rows reserved: declare them in Drafter.verify_rows or raise "
+                           "GenerationConfig.max_tree_rows")
+    if extra is None:
+        mask = torch.cat([tree_mask.new_ones(n, past), tree_mask], 1)  # [N, past + N]
+        return VerifyPass(ids, pos, mask, base, past, n)
+    r = extra.num_rows
+    tree_mask = torch.cat([torch.cat([tree_mask, tree_mask.new_zeros(n, r)], 1), extra.tree_mask.to(device)], 0)
+    mask = torch.cat([tree_mask.new_ones(rows, past), tree_mask], 1)  # [N + R, past + N + R]
+    if extra.sees_prefix is not None:
         mask[n:, :past] = extra.sees_prefix.to(device)[:, None]
-    return ids, embeds, pos, mask
+    embeds = torch.cat([target.embed(ids)[0], extra.embeds.to(device)], 0)[None]  # [1, N + R, d]
+    request = replace(base, input_embeds=embeds, last_hidden=extra.want_hidden,
+                      # no LM head over the extra rows unless the drafter reads their logits
+                      logits_rows=None if extra.want_logits else torch.arange(n, device=device),
+                      pinned=extra.pinned,
+                      pinned_mask=_pinned_mask(extra, n, device) if extra.pinned is not None else None)
+    return VerifyPass(None, torch.cat([pos, extra.position_ids.to(device)]), mask, request, past, n, extra)
 
 
 def _pinned_mask(extra: ExtraRows, n: int, device) -> torch.Tensor:
@@ -165,10 +220,31 @@ def _pinned_mask(extra: ExtraRows, n: int, device) -> torch.Tensor:
     return torch.cat([rows.new_zeros(n, P), rows], 0)
 
 
-def _extra_output(vout, extra: ExtraRows, n: int) -> ExtraOutput:
-    return ExtraOutput(logits=vout.logits[0, n:] if extra.want_logits else None,  # [R, V]
-                       aux=vout.aux_hidden[0, n:] if vout.aux_hidden is not None else None,  # [R, n_aux*d]
-                       hidden=vout.last_hidden[0, n:] if extra.want_hidden else None)  # [R, d]
+def run_verify_pass(target, drafter: Drafter, state: DecodeState, tree: DraftTree, vpass: VerifyPass) -> TargetOutput:
+    """The round's pass: the drafter's own ``verify_forward`` when it has one (never with extra rows), else
+    ``target.forward`` over ``vpass``."""
+    vout = drafter.verify_forward(state, tree) if vpass.extra is None else None
+    if vout is None:
+        return vpass.run(target, state.cache)
+    if vpass.request.aux and vout.aux_hidden is None:
+        raise RuntimeError("the drafter's verify_forward returned no aux states for the layers it taps")
+    return vout
+
+
+def commit_round(state: DecodeState, vpass: VerifyPass, vout: TargetOutput, tree: DraftTree, result: VerifyResult,
+                 kept: list[int]) -> VerifyOutput:
+    """Commit the verified path to the cache and ``kept`` (its emitted tokens) to the sequence; what the
+    drafter's ``update`` reads."""
+    n = vpass.n
+    state.cache.commit_rows(result.path)  # root + accepted nodes; the bonus token is next round's root
+    state.tokens.extend(kept)
+    aux = vout.aux_hidden[0, :n] if vout.aux_hidden is not None else None  # [N, n_aux*d]
+    # Only rows whose tokens were kept (a round cut at EOS / the budget keeps a prefix of the path).
+    state.accepted_aux = aux[result.path[:len(kept)]] if aux is not None else None  # [kept, n_aux*d]
+    state.attn_mass = _mass(vout, vpass.request.attn_mass_rows)  # [L, Hkv, past + N]
+    return VerifyOutput(tree=tree, result=result, logits=vout.logits[0, :n], aux=aux,
+                        accepted_aux=state.accepted_aux, extra=vpass.extra_output(vout), kept=len(kept),
+                        attn_mass=state.attn_mass)
 
 
 def round_trace(anchor: int, tree: DraftTree, logits: torch.Tensor, result: VerifyResult, kept: int,
@@ -180,6 +256,27 @@ def round_trace(anchor: int, tree: DraftTree, logits: torch.Tensor, result: Veri
                       path=list(result.path), rejected=list(result.rejected), bonus=result.bonus_token, kept=kept)
 
 
+def _start(target, prompt_ids: list[int], drafter: Drafter, cfg: GenerationConfig, gen, base: PassRequest,
+           scratch: int) -> DecodeState:
+    """Prefill, sample the first token, hand the drafter its first state (``reset``)."""
+    cache, out = _prefill(target, prompt_ids, cfg, scratch, base)
+    root = int(sample(logits_to_probs(out.logits[0, -1], cfg.temperature, cfg.top_k, cfg.top_p), gen))
+    state = DecodeState(target=target, cache=cache, tokens=list(prompt_ids) + [root], prompt_len=len(prompt_ids),
+                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=gen,
+                        accepted_aux=out.aux_hidden[0] if out.aux_hidden is not None else None,  # [P, n_aux*d]
+                        attn_mass=_mass(out, base.attn_mass_rows))  # [L, Hkv, P]
+    drafter.reset(state)  # a feature drafter runs its first pass here: part of the prefill cost
+    return state
+
+
+def _record_round(stats: DecodeStats, kept: int, nodes: int, t0: float, t1: float, t2: float, t3: float) -> None:
+    stats.accept_lengths.append(kept)
+    # Drafting = proposing this round's tree + absorbing its outcome (a draft pass over accepted rows).
+    stats.draft_times.append((t1 - t0) + (t3 - t2))
+    stats.verify_times.append(t2 - t1)
+    stats.tree_sizes.append(nodes)
+
+
 @torch.no_grad()
 def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None = None,
                          cfg: GenerationConfig | None = None, *, trace: bool = False,
@@ -189,78 +286,33 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
     With ``trace``, ``stats.trace`` holds one ``RoundTrace`` per round (tree, draft and target
     distributions, accepted path, rejected nodes, bonus, kept), taken from the verify pass itself.
     """
-    cfg = cfg or GenerationConfig()
-    drafter = drafter or NoDrafter()
+    cfg, drafter = cfg or GenerationConfig(), drafter or NoDrafter()
     eos = set(target.eos_token_ids)
     stats = DecodeStats(trace=[] if trace else None)
     t_start = time.perf_counter()
     gen = _generator(cfg, target.device)
-    taps = drafter.aux_layers(target)
-    # Targets without aux support (stubs) never see the keywords unless a drafter asks for aux states.
-    aux_kw = {"return_aux": True, "aux_layer_ids": list(taps)} if taps else {}
-    mass_rows = drafter.attention_rows()
-    if mass_rows:  # like aux states: targets that cannot report it never see the keyword otherwise
-        aux_kw["attn_mass_rows"] = int(mass_rows)
-    scratch = max(cfg.max_tree_rows, drafter.verify_rows(cfg) or 0)
-    cache, out = _prefill(target, prompt_ids, cfg, scratch, aux_kw)
-    root = int(sample(logits_to_probs(out.logits[0, -1], cfg.temperature, cfg.top_k, cfg.top_p), gen))
-    new: list[int] = [root]
-    state = DecodeState(target=target, cache=cache, tokens=list(prompt_ids) + [root], prompt_len=len(prompt_ids),
-                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=gen,
-                        accepted_aux=out.aux_hidden[0] if out.aux_hidden is not None else None,
-                        attn_mass=_mass(out, mass_rows))
-    drafter.reset(state)  # a feature drafter runs its first pass here: part of the prefill cost
+    base = pass_request(target, drafter)  # what every pass computes for the drafter (taps, attention mass)
+    scratch = scratch_rows(cfg, drafter)
+    state = _start(target, prompt_ids, drafter, cfg, gen, base, scratch)
+    new: list[int] = [state.root]
     stats.prefill_time = time.perf_counter() - t_start
     while len(new) < cfg.max_new_tokens and not (cfg.stop_on_eos and new[-1] in eos):
         t0 = time.perf_counter()
-        tree = drafter.propose(state)
+        tree = drafter.propose(state)  # N nodes, node 0 = the last committed token
         t1 = time.perf_counter()
-        n = tree.size
-        extra = drafter.extra_rows(state, tree)
-        rows = n + (extra.num_rows if extra is not None else 0)
-        if rows > scratch:
-            raise RuntimeError(f"a verify pass of {rows} rows (tree {n} + extra {rows - n}) exceeds the {scratch} "
-                               "scratch rows reserved: declare them in Drafter.verify_rows or raise "
-                               "GenerationConfig.max_tree_rows")
-        past = cache.length
-        ids, embeds, pos, mask = verify_inputs(target, tree, extra, past)
-        kw = dict(aux_kw)
-        if extra is not None and not extra.want_logits:
-            kw["logits_rows"] = torch.arange(n, device=target.device)  # no LM head over the extra rows
-        if extra is not None and extra.want_hidden:
-            kw["return_last_hidden"] = True
-        if extra is not None and extra.pinned is not None:
-            kw["pinned"], kw["pinned_mask"] = extra.pinned, _pinned_mask(extra, n, target.device)
-        vout = drafter.verify_forward(state, tree) if extra is None else None
-        if vout is None:
-            vout = target.forward(ids, pos, cache, mask, input_embeds=embeds, **kw)
-        elif taps and vout.aux_hidden is None:
-            raise RuntimeError("the drafter's verify_forward returned no aux states for the layers it taps")
-        logits = vout.logits[0, :n]  # [N, V]
+        vpass = verify_pass(target, tree, drafter.extra_rows(state, tree), state.cache.length, base, scratch)
+        vout = run_verify_pass(target, drafter, state, tree, vpass)  # logits [1, N (+ R), V]
+        logits = vout.logits[0, :tree.size]  # [N, V]
         result = verify(logits, tree, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=gen)
         t2 = time.perf_counter()
-        accepted = result.accepted_tokens(tree)
-        kept = _stop_index(accepted, eos, cfg.max_new_tokens - len(new), cfg.stop_on_eos)
-        accepted = accepted[:kept]
-        cache.commit_rows(result.path)  # root + accepted nodes; the bonus token is next round's root
-        new.extend(accepted)
-        state.tokens.extend(accepted)
-        aux = vout.aux_hidden[0, :n] if vout.aux_hidden is not None else None  # [N, n_aux*d]
-        # Only rows whose tokens were kept (a round cut at EOS / the budget keeps a prefix of the path).
-        state.accepted_aux = aux[result.path[:kept]] if aux is not None else None  # [kept, n_aux*d]
-        state.attn_mass = _mass(vout, mass_rows)  # [L, Hkv, past + N]
-        drafter.update(state, VerifyOutput(tree=tree, result=result, logits=logits, aux=aux,
-                                           accepted_aux=state.accepted_aux,
-                                           extra=_extra_output(vout, extra, n) if extra is not None else None,
-                                           kept=kept, attn_mass=state.attn_mass))
+        emitted = result.accepted_tokens(tree)  # accepted path tokens, then the bonus
+        kept = emitted[:_stop_index(emitted, eos, cfg.max_new_tokens - len(new), cfg.stop_on_eos)]
+        new.extend(kept)
+        drafter.update(state, commit_round(state, vpass, vout, tree, result, kept))
         t3 = time.perf_counter()
         if trace:
-            stats.trace.append(round_trace(past, tree, logits, result, kept, trace_dtype))
-        stats.accept_lengths.append(kept)
-        # Drafting = proposing this round's tree + absorbing its outcome (a draft pass over accepted rows).
-        stats.draft_times.append((t1 - t0) + (t3 - t2))
-        stats.verify_times.append(t2 - t1)
-        stats.tree_sizes.append(n)
+            stats.trace.append(round_trace(vpass.past, tree, logits, result, len(kept), trace_dtype))
+        _record_round(stats, len(kept), tree.size, t0, t1, t2, t3)
     stats.drafter_stats = drafter.sequence_stats()
     stats.new_tokens = len(new)
     stats.wall_time = time.perf_counter() - t_start
@@ -276,7 +328,7 @@ def autoregressive_generate(target, prompt_ids: list[int], cfg: GenerationConfig
     stats = DecodeStats()
     t_start = time.perf_counter()
     gen = _generator(cfg, target.device)
-    cache, out = _prefill(target, prompt_ids, cfg, cfg.max_tree_rows, {})
+    cache, out = _prefill(target, prompt_ids, cfg, scratch_rows(cfg), PassRequest())
     tok = int(sample(logits_to_probs(out.logits[0, -1], cfg.temperature, cfg.top_k, cfg.top_p), gen))
     stats.prefill_time = time.perf_counter() - t_start
     new = [tok]

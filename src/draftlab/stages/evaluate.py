@@ -21,6 +21,7 @@ decode-only throughputs (wall time less prefill time: a long prompt's prefill wo
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from draftlab import tracking
-from draftlab.decoding.engine import GenerationConfig
+from draftlab.decoding.drafter import closing_all
+from draftlab.decoding.engine import GenerationConfig, scratch_rows
 from draftlab.eval.metrics import TIMINGS
 from draftlab.eval.scoring import bench_scores, format_scores
 from draftlab.methods.registry import MethodSpec, trained_method_config
@@ -44,9 +46,7 @@ def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
     gen = GenerationConfig(max_new_tokens=int(e.max_new_tokens), temperature=float(e.temperature),
                            top_k=e.get("top_k_sampling"), top_p=e.get("top_p"), seed=int(cfg.seed),
                            max_tree_rows=int(e.get("max_tree_rows", 128)))
-    rows = drafter.verify_rows(gen) if drafter is not None else None
-    if rows is not None:
-        gen.max_tree_rows = max(gen.max_tree_rows, int(rows) + 8)
+    gen.max_tree_rows = scratch_rows(gen, drafter)  # what the engine reserves for this drafter, recorded
     return gen
 
 
@@ -54,18 +54,31 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
              draft_dir: Path | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Run ``cfg.bench`` with ``drafter`` and the AR baseline; returns (eval record, flat metrics).
     ``draft``: the run's trained draft (None for a training-free method), for trainable baselines;
-    ``draft_dir``: its artifact, whose training config gives the axes on training settings."""
-    from draftlab.eval.runner import format_comparison, format_table, run_benchmark
+    ``draft_dir``: its artifact, whose training config gives the axes on training settings.
+
+    The stage owns ``drafter`` and the baselines' drafters it builds: all are closed (``Drafter.close``) when
+    it returns, also when decoding raises."""
     from draftlab.eval.served import check_engine, served_evaluate
 
-    if check_engine(cfg) != "draftlab":  # a serving engine: the run's draft exported, served, compared
-        return served_evaluate(cfg, target, draft, draft_dir, run_dir)
+    with closing_all(drafter):
+        if check_engine(cfg) != "draftlab":  # a serving engine: the run's draft exported, served, compared
+            return served_evaluate(cfg, target, draft, draft_dir, run_dir)
+        with ExitStack() as stack:
+            others, bspecs = baseline_drafters(cfg, draft, stack)
+            return _evaluate_here(cfg, target, drafter, run_dir, loggers, draft_dir, others, bspecs)
+
+
+def _evaluate_here(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None, draft_dir: Path | None,
+                   others: dict[str, tuple[Any, GenerationConfig]], bspecs: dict[str, MethodSpec]
+                   ) -> tuple[dict[str, Any], dict[str, float]]:
+    # ``evaluate`` with draftlab's own engine, the baselines built.
+    from draftlab.eval.runner import format_comparison, format_table, run_benchmark
+
     spec = MethodSpec(cfg.method)
     timing = eval_timing(cfg)
     bench = instantiate(cfg.bench, _convert_="object")
     questions = bench.load(tokenizer=target.tokenizer)
     gen = generation_config(cfg, drafter)
-    others, bspecs = baseline_drafters(cfg, draft)
     if AR_SCORE_NAME in others:
         raise ConfigError(f"the name '{AR_SCORE_NAME}' is the AR baseline's in the scores; rename this baseline",
                           field=f"eval.baselines.{AR_SCORE_NAME}")
@@ -154,14 +167,17 @@ def baseline_specs(cfg: DictConfig, *, has_draft: bool) -> dict[str, MethodSpec]
     return specs
 
 
-def baseline_drafters(cfg: DictConfig, draft=None) -> tuple[dict[str, tuple[Any, GenerationConfig]],
-                                                              dict[str, MethodSpec]]:
+def baseline_drafters(cfg: DictConfig, draft=None, stack: ExitStack | None = None
+                      ) -> tuple[dict[str, tuple[Any, GenerationConfig]], dict[str, MethodSpec]]:
     """``eval.baselines`` as (name -> (drafter, its GenerationConfig)), (name -> MethodSpec). A trainable
-    baseline drafts from ``draft``, the run's trained draft."""
+    baseline drafts from ``draft``, the run's trained draft. With ``stack`` each drafter is closed when the
+    stack unwinds (those built before a failing one too); without it the caller closes them."""
     specs = baseline_specs(cfg, has_draft=draft is not None)
     drafters = {}
     for name, bspec in specs.items():
         drafter = bspec.build_drafter(draft) if bspec.trainable else bspec.build_drafter()
+        if stack is not None:
+            stack.callback(drafter.close)
         drafters[name] = (drafter, generation_config(cfg, drafter))
     return drafters, specs
 

@@ -15,6 +15,7 @@ the final norm, whereas ``output_of L-1`` here is the raw residual stream before
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -64,11 +65,42 @@ class Geometry:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [B, T, V] (only the requested rows when ``logits_rows`` is given)
+    logits: torch.Tensor  # [B, T, V] (only ``PassRequest.logits_rows`` when given)
     aux_hidden: torch.Tensor | None  # [B, T, n_aux * d], concatenated in the configured order
     last_hidden: torch.Tensor | None = None  # [B, T, d] after the final norm
-    # [L, B, Hkv, S] with ``forward(attn_mass_rows=W)``: attention mass the last W rows put on each slot
+    # [L, B, Hkv, S] with ``PassRequest(attn_mass_rows=W)``: attention mass the last W rows put on each slot
     attn_mass: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PassRequest:
+    """What one target pass computes besides the logits of every row: the features a method reads off it.
+
+    ``Target.forward(input_ids, position_ids, cache, attn_mask, request)``: ids/positions/mask say which rows
+    run and what they see; the request says what else comes back and which rows the pass adds. The default
+    request is a plain pass (every row's logits, nothing else).
+    """
+
+    # [B, T, d] rows that are not vocabulary tokens (``input_ids`` None): soft prompts, contemplate rows
+    input_embeds: torch.Tensor | None = None
+    # Aux hidden states (``TargetOutput.aux_hidden``): False none; True the target's default taps
+    # (``Target.aux_layer_ids``); a list of layer ids (target's convention) those, concatenated in that order.
+    aux: bool | Sequence[int] = False
+    logits_rows: torch.Tensor | None = None  # [R] rows that need logits (empty: skip the LM head); None all
+    last_hidden: bool = False  # also return every row's final-norm hidden state ``last_hidden [B, T, d]``
+    # Rows computed once (``PinnedKV``, keys outside the cache) that every layer may also read, where
+    # ``pinned_mask [B|1, T, P]`` or ``[T, P]`` allows (None: every row sees all).
+    pinned: PinnedKV | None = None
+    pinned_mask: torch.Tensor | None = None
+    # W > 0: also ``attn_mass [L, B, Hkv, S]`` (S = past + T), per layer and KV head the attention probability
+    # the last W rows put on each slot, summed over the W rows and the head's query heads.
+    attn_mass_rows: int = 0
+
+    def aux_layer_ids(self, default: Sequence[int]) -> list[int]:
+        """The layers to capture: ``default`` (the target's taps) when ``aux is True``."""
+        if self.aux is True:
+            return list(default)
+        return [] if self.aux is False else list(self.aux)
 
 
 @dataclass
@@ -115,25 +147,15 @@ class Target(Protocol):
         ...
 
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *, return_aux: bool = False,
-                return_last_hidden: bool = False, logits_rows: torch.Tensor | None = None,
-                input_embeds: torch.Tensor | None = None, aux_layer_ids: list[int] | None = None,
-                pinned: PinnedKV | None = None, pinned_mask: torch.Tensor | None = None,
-                attn_mass_rows: int | None = None) -> TargetOutput:
-        """T new rows (ids [B, T] or ``input_embeds [B, T, d]``) through the whole model, writing scratch KV.
-
-        ``pinned`` rows (keys computed once, outside the cache) are readable too, where ``pinned_mask
-        [B|1, T, P]`` allows (default: by every row). ``attn_mass_rows=W`` adds ``attn_mass [L, B, Hkv, S]``
-        (S = past + T): per layer and KV head, the attention probability the last W rows put on each slot,
-        summed over the W rows and the head's query heads."""
+                cache: KVCache | None = None, attn_mask: torch.Tensor | None = None,
+                request: PassRequest | None = None) -> TargetOutput:
+        """T new rows (ids [B, T] or ``request.input_embeds [B, T, d]``) through the whole model, writing
+        scratch KV. ``request`` says what the pass computes besides every row's logits (``PassRequest``)."""
         ...
 
     def forward_with_grad(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                          cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *,
-                          return_aux: bool = False, return_last_hidden: bool = False,
-                          logits_rows: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None,
-                          aux_layer_ids: list[int] | None = None, pinned: PinnedKV | None = None,
-                          pinned_mask: torch.Tensor | None = None) -> TargetOutput:
+                          cache: KVCache | None = None, attn_mask: torch.Tensor | None = None,
+                          request: PassRequest | None = None) -> TargetOutput:
         """``forward`` under the caller's grad mode, reading the cache only (differentiable w.r.t. embeds)."""
         ...
 

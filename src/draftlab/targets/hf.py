@@ -10,20 +10,40 @@ architectures load but raise a clear error when this forward is asked of them.
 
 The decoder layer is stated once (``_decoder_layer``). ``forward`` is embed -> layers [0, L) -> norm / LM
 head; ``forward_layers`` runs any range [a, b) with K/V at explicit cache slots and an optional sparse read
-view, for self-speculative drafters that run the target's own layers.
+view, for self-speculative drafters that run the target's own layers. The attention of a layer (grouped
+kernels, masks, pinned rows, sparse views, attention mass) is in ``targets/attention.py``; this module picks
+between those kernels and fused SDPA (``_GROUPED_ATTENTION_MAX_ROWS``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from draftlab.assets import cache_root
-from draftlab.decoding.cache import KVCache, PinnedKV, SparseView
-from draftlab.targets.base import Geometry, LayerConvention, LayerOutput, TargetOutput, default_aux_layer_ids
+from draftlab.decoding.cache import KVCache, SparseView
+from draftlab.targets.attention import (
+    PassRows,
+    grouped_attention,
+    grouped_probs,
+    layer_keys,
+    layer_mask,
+    layer_mass,
+    pass_mask,
+    pinned_rows_mask,
+    rotate_half,
+)
+from draftlab.targets.base import (
+    Geometry,
+    LayerConvention,
+    LayerOutput,
+    PassRequest,
+    TargetOutput,
+    default_aux_layer_ids,
+)
 from draftlab.targets.fused import cpu_head_pays, fuse_layers, placement
 from draftlab.targets.row_kernels import GEMM, MODES, ROW_GRID, RowKernels
 from draftlab.utils.logging import get_logger
@@ -44,50 +64,9 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def grouped_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Attention probabilities of a few query rows, heads grouped onto their shared KV head.
-
-    q [B, H, T, hd], k [B, Hkv, S, hd], mask bool [B|1, 1|Hkv, T, S] or None -> probs [B, Hkv, G, T, S]
-    (G = H // Hkv; query head h = kv * G + g). A per-KV-head mask is what a sparse read view needs.
-    """
-    B, H, T, hd = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    G = H // Hkv
-    qg = q.reshape(B, Hkv, G * T, hd)  # heads h = kv * G + g share KV head kv
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).view(B, Hkv, G, T, S)  # [B, Hkv, G, T, S]
-    if mask is not None:
-        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))  # mask [B|1, 1|Hkv, 1, T, S]
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float, probs: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention for a few query rows against a long cache: q [B, H, T, hd], k/v [B, Hkv, S, hd] -> [B, H, T, hd].
-
-    On CPU, PyTorch's fused SDPA kernel costs milliseconds per call for T=1 (it is built for long
-    queries); two small matmuls cost microseconds. Used for decode steps and verify passes. ``probs``:
-    ``grouped_probs`` already computed by the caller (who also reads them).
-    """
-    B, H, T, hd = q.shape
-    Hkv, S = v.shape[1], v.shape[2]
-    if probs is None:
-        probs = grouped_probs(q, k, mask, scale)
-    return torch.matmul(probs.view(B, Hkv, (H // Hkv) * T, S), v).view(B, H, T, hd)
-
-
-def attention_mass(probs: torch.Tensor, rows: int) -> torch.Tensor:
-    """Mass the last ``rows`` query rows put on each key, summed over those rows and each KV head's query
-    heads: probs [B, Hkv, G, T, S] -> [B, Hkv, S] (float32). What a sparse-KV drafter ranks slots by."""
-    return probs[:, :, :, -rows:].sum(dim=(2, 3), dtype=torch.float32)
-
-
 # Above this many query rows the fused SDPA kernel wins (prefill).
 _GROUPED_ATTENTION_MAX_ROWS = 128
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class HFTarget:
@@ -248,50 +227,36 @@ class HFTarget:
         return self.model.model
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *,
-                return_aux: bool = False, return_last_hidden: bool = False,
-                logits_rows: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None,
-                aux_layer_ids: list[int] | None = None, pinned: PinnedKV | None = None,
-                pinned_mask: torch.Tensor | None = None, attn_mass_rows: int | None = None) -> TargetOutput:
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+                cache: KVCache | None = None, attn_mask: torch.Tensor | None = None,
+                request: PassRequest | None = None) -> TargetOutput:
         """Run the target on T new rows.
 
-        input_ids    [B, T]; or ``input_embeds [B, T, d]`` for rows that are not vocabulary tokens.
+        input_ids    [B, T]; or None with ``request.input_embeds [B, T, d]`` for rows that are not tokens.
         position_ids [B, T] or [T]; default ``past + arange(T)`` (trees pass ``past + depth``).
         cache        the rows are written to the cache's scratch slots and attend to ``[0, past + T)``;
                      ``cache.commit*`` decides what stays. Without a cache the rows attend only to each other.
         attn_mask    bool [B, T, S] or [T, S] with S = past + T (True = may attend); default causal.
-        logits_rows  optional [R] indices of rows whose logits are needed (saves the LM head elsewhere).
-        aux_layer_ids  the layers to capture when ``return_aux`` (in ``self.layer_convention``); default
-                     ``self.aux_layer_ids``. Methods pass the layers they tap, so taps are a method setting.
-        pinned       ``PinnedKV`` rows every layer may also attend to (keys computed once, e.g. soft prompts);
-                     ``pinned_mask`` bool [B|1, T, P] or [T, P] says which row sees which (default: all).
-        attn_mass_rows  W: also return ``attn_mass [L, B, Hkv, S]``, the attention probability the last W
-                     rows put on each of the S = past + T slots at every layer, summed over those rows and
-                     over each KV head's query heads (the importance signal of sparse-KV drafting). A pass of
-                     a few rows reads it off its own softmax; a long pass (fused SDPA) scores the W rows again.
+        request      what else the pass computes (``PassRequest``): aux taps (methods pass the layers they
+                     tap, so taps are a method setting), the rows that need logits, final hidden states,
+                     pinned rows (keys computed once, e.g. soft prompts) and the attention mass of the last
+                     W rows (a pass of a few rows reads it off its own softmax; a long pass, fused SDPA,
+                     scores the W rows again).
         """
-        return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
-                                logits_rows, input_embeds, write_cache=True, aux_layer_ids=aux_layer_ids,
-                                pinned=pinned, pinned_mask=pinned_mask, attn_mass_rows=attn_mass_rows)
+        return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, request, write_cache=True)
 
     def forward_with_grad(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                          cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, *,
-                          return_aux: bool = False, return_last_hidden: bool = False,
-                          logits_rows: torch.Tensor | None = None,
-                          input_embeds: torch.Tensor | None = None,
-                          aux_layer_ids: list[int] | None = None, pinned: PinnedKV | None = None,
-                          pinned_mask: torch.Tensor | None = None, attn_mass_rows: int | None = None) -> TargetOutput:
-        """``forward`` under the caller's grad mode, differentiable w.r.t. ``input_embeds`` (the weights stay frozen).
+                          cache: KVCache | None = None, attn_mask: torch.Tensor | None = None,
+                          request: PassRequest | None = None) -> TargetOutput:
+        """``forward`` under the caller's grad mode, differentiable w.r.t. ``request.input_embeds`` (the
+        weights stay frozen).
 
         The cache is only read: the new rows attend to its committed slots ``[0, cache.length)`` (as stored,
         hence constant for autograd) and to each other, and nothing is written to it. Writing grad-carrying
         keys into the shared cache buffer would let a later layer's write invalidate an earlier layer's
         saved tensors, so the keys of each layer are concatenated instead.
         """
-        return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
-                                logits_rows, input_embeds, write_cache=False, aux_layer_ids=aux_layer_ids,
-                                pinned=pinned, pinned_mask=pinned_mask, attn_mass_rows=attn_mass_rows)
+        return _decoder_forward(self, input_ids, position_ids, cache, attn_mask, request, write_cache=False)
 
     # ------------------------------------------------------------------------------------------------
     # pieces of the forward, for drafters that run the target's own layers
@@ -363,40 +328,8 @@ class HFTarget:
     __call__ = forward
 
 
-@dataclass
-class _Rows:
-    """What every layer of one pass shares: the rows' rotary tables, cache slots and attention mask."""
-
-    cos: torch.Tensor  # [B, 1, T, hd]
-    sin: torch.Tensor  # [B, 1, T, hd]
-    past: int  # first slot of the rows when they are contiguous (``slots is None``)
-    slots: torch.Tensor | None  # [T] explicit cache slots of the rows
-    S: int  # the rows attend to cache slots [0, S)
-    mask: torch.Tensor | None  # bool [B|1, 1, T, S]; None: all of [0, S) (a single decode row)
-    write: bool  # write K/V into the cache (forward) or only read it (forward_with_grad)
-    # Default mask on a cache whose layers have different lengths: one mask per committed length.
-    layer_masks: dict[int, torch.Tensor] | None = None
-    pinned: PinnedKV | None = None  # rows outside the cache that every layer may also read
-    pinned_mask: torch.Tensor | None = None  # bool [B|1, 1, T, P]
-    mass_rows: int = 0  # > 0: collect each layer's attention mass of the last ``mass_rows`` rows
-    masses: list[torch.Tensor] | None = None  # per layer [B, Hkv, S], filled by ``_decoder_layer``
-
-    def row_slots(self, device: torch.device) -> torch.Tensor:
-        T = self.cos.shape[2]
-        return self.slots if self.slots is not None else torch.arange(self.past, self.past + T, device=device)
-
-
-def _default_mask(T: int, S: int, committed: int, slots: torch.Tensor) -> torch.Tensor:
-    """Causal over committed + own rows: row t sees slots [0, committed) and the rows 0..t at ``slots [T]``."""
-    m = torch.zeros(T, S, dtype=torch.bool, device=slots.device)  # [T, S]
-    m[:, :committed] = True
-    # Own slots below ``committed`` are rows of this pass, not context: causal among the rows only.
-    m[:, slots] = torch.ones(T, T, dtype=torch.bool, device=slots.device).tril()
-    return m.view(1, 1, T, S)
-
-
 def _prepare(target: HFTarget, x: torch.Tensor, position_ids, cache: KVCache | None, attn_mask, slots,
-             write: bool, pinned: PinnedKV | None = None, pinned_mask: torch.Tensor | None = None) -> _Rows:
+             write: bool, request: PassRequest | None = None) -> PassRows:
     B, T, _ = x.shape
     dev = x.device
     if cache is None:
@@ -418,46 +351,16 @@ def _prepare(target: HFTarget, x: torch.Tensor, position_ids, cache: KVCache | N
         position_ids = position_ids.unsqueeze(0).expand(B, T)
     cos_t, sin_t = target._rope_tables(int(position_ids.max()) + 1, x)
     cos, sin = cos_t[position_ids].unsqueeze(1), sin_t[position_ids].unsqueeze(1)  # [B, 1, T, hd]
-
-    layer_masks = None
-    if attn_mask is not None:
-        if attn_mask.shape[-2:] != (T, S):
-            what = "new rows x (past + new)" if slots is None else "new rows x (max slot + 1)"
-            raise ValueError(f"attn_mask must be [.., {T}, {S}] ({what}), got {tuple(attn_mask.shape)}")
-        mask = attn_mask.view(-1, 1, T, S)  # [B|1, 1, T, S]
-    elif slots is None and not (write and cache is not None and cache.ragged):
-        # Plain causal over the new rows; a single row needs no mask at all.
-        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=dev).tril(past).view(1, 1, T, S)
-    else:
-        mask, layer_masks = None, {}  # depends on each layer's committed length: built on first use
-    pmask = None
-    if pinned is not None:
-        P = pinned.num_rows
-        if pinned.k.shape[0] != target.geometry.num_layers or pinned.k.shape[1] not in (1, B):
-            raise ValueError(f"pinned keys {tuple(pinned.k.shape)} do not fit a {target.geometry.num_layers}-layer "
-                             f"target and batch {B} ([L, 1|B, Hkv, P, hd])")
-        if pinned_mask is None:
-            pmask = torch.ones(1, 1, T, P, dtype=torch.bool, device=dev)
-        elif pinned_mask.shape[-2:] != (T, P):
-            raise ValueError(f"pinned_mask must be [.., {T}, {P}] (new rows x pinned rows), got "
-                             f"{tuple(pinned_mask.shape)}")
-        else:
-            pmask = pinned_mask.to(device=dev, dtype=torch.bool).view(-1, 1, T, P)
-    elif pinned_mask is not None:
-        raise ValueError("pinned_mask without pinned keys")
-    return _Rows(cos, sin, past, slots, S, mask, write, layer_masks, pinned, pmask)
+    per_layer = slots is not None or (write and cache is not None and cache.ragged)
+    mask, layer_masks = pass_mask(attn_mask, T, S, past, explicit_slots=slots is not None, per_layer=per_layer,
+                                  device=dev)
+    pinned = request.pinned if request is not None else None
+    pmask = pinned_rows_mask(pinned, request.pinned_mask if request is not None else None,
+                             target.geometry.num_layers, B, T, dev)
+    return PassRows(cos, sin, past, slots, S, mask, write, layer_masks, pinned, pmask)
 
 
-def _layer_mask(r: _Rows, cache: KVCache, li: int) -> torch.Tensor:
-    # Rows a layer holds beyond ``S`` (later provisional rows) are never visible to this pass.
-    c = min(cache.layer_length(li), r.S)
-    m = r.layer_masks.get(c)
-    if m is None:
-        m = r.layer_masks[c] = _default_mask(r.cos.shape[2], r.S, c, r.row_slots(r.cos.device))
-    return m
-
-
-def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: _Rows, cache: KVCache | None,
+def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: PassRows, cache: KVCache | None,
                    idx: torch.Tensor | None) -> torch.Tensor:
     """One decoder layer on rows ``x [B, T, d]``: the only statement of the layer (forward, forward_layers)."""
     w = target._layers[li]
@@ -472,22 +375,10 @@ def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: _Rows, cache: 
     v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
     if w["q_norm"] is not None:  # qwen3 normalises q/k per head before RoPE
         q, k = w["q_norm"](q), w["k_norm"](k)
-    q = q * r.cos + _rotate_half(q) * r.sin
-    k = k * r.cos + _rotate_half(k) * r.sin
-    mask = r.mask if r.layer_masks is None else _layer_mask(r, cache, li)  # [B|1, 1, T, S] or None
-    if idx is not None:
-        k, v, mask = _sparse_keys(cache, li, r, k, v, mask, idx)  # [B, Hkv, K + T, hd], mask [B|1, Hkv, T, K + T]
-    elif cache is not None and r.write:
-        if r.slots is None:
-            k, v = cache.write(li, r.past, k, v)  # [B, Hkv, S, hd]
-        else:
-            cache.write_at(li, r.slots, k, v)
-            k, v = cache.k[li, :, :, :r.S], cache.v[li, :, :, :r.S]  # [B, Hkv, S, hd]
-    elif cache is not None:
-        k = torch.cat([cache.k[li, :, :, :r.past], k], dim=2)  # [B, Hkv, S, hd]
-        v = torch.cat([cache.v[li, :, :, :r.past], v], dim=2)  # [B, Hkv, S, hd]
-    if r.pinned is not None:
-        k, v, mask = _with_pinned(r, li, k, v, mask)  # [B, Hkv, P + S', hd], mask [B|1, 1|Hkv, T, P + S']
+    q = q * r.cos + rotate_half(q) * r.sin
+    k = k * r.cos + rotate_half(k) * r.sin
+    mask = r.mask if r.layer_masks is None else layer_mask(r, cache, li)  # [B|1, 1, T, S] or None
+    k, v, mask = layer_keys(cache, li, r, k, v, mask, idx)  # [B, Hkv, S', hd], mask [B|1, 1|Hkv, T, S']
     probs = None
     if T <= _GROUPED_ATTENTION_MAX_ROWS:
         probs = grouped_probs(q, k, mask, w["scaling"])  # [B, Hkv, G, T, S']
@@ -498,73 +389,13 @@ def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: _Rows, cache: 
             sdpa_mask = mask.repeat_interleave(H // Hkv, dim=1)  # per-KV-head view mask -> [B|1, H, T, K + T]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=w["scaling"], enable_gqa=Hkv != H)
     if r.mass_rows:
-        r.masses.append(_layer_mass(r, q, k, mask, probs, w["scaling"]))  # [B, Hkv, S]
+        r.masses.append(layer_mass(r, q, k, mask, probs, w["scaling"]))  # [B, Hkv, S]
     x = x + _linear(o.transpose(1, 2).reshape(B, T, H * hd), w["wo"], w["bo"])
     gate, up = _linear(F.rms_norm(x, (d,), w["ln2"], w["eps2"]), w["wgu"]).chunk(2, dim=-1)
     return x + _linear(w["act"](gate) * up, w["wd"])
 
 
-def _layer_mass(r: _Rows, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, probs: torch.Tensor | None,
-                scale: float) -> torch.Tensor:
-    """``attention_mass`` of the last ``r.mass_rows`` rows over cache slots [0, S) -> [B, Hkv, S].
-
-    ``probs`` of a grouped pass are reused; after fused SDPA (a long prefill) only the W rows are scored
-    again, a W x S product per head. Pinned rows sit in front of the keys and are left out.
-    """
-    W = min(r.mass_rows, q.shape[2])
-    if probs is None:
-        rows_mask = None if mask is None else mask[..., -W:, :]  # [B|1, 1|Hkv, W, S']
-        probs = grouped_probs(q[:, :, -W:], k, rows_mask, scale)  # [B, Hkv, G, W, S']
-    mass = attention_mass(probs, W)  # [B, Hkv, S']
-    return mass[..., mass.shape[-1] - r.S:]  # drop pinned columns: [B, Hkv, S]
-
-
-def _with_pinned(r: _Rows, li: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
-    """Pinned rows' keys/values in front of the pass's own keys ``k/v [B, Hkv, S, hd]``, the mask widened."""
-    B, _, S, _ = k.shape
-    pk = r.pinned.k[li].to(k.dtype).expand(B, -1, -1, -1)  # [B, Hkv, P, hd]
-    pv = r.pinned.v[li].to(v.dtype).expand(B, -1, -1, -1)
-    T, P = r.cos.shape[2], pk.shape[2]
-    if mask is None:
-        mask = torch.ones(1, 1, T, S, dtype=torch.bool, device=k.device)
-    bm, hm = max(mask.shape[0], r.pinned_mask.shape[0]), mask.shape[1]
-    mask = torch.cat([r.pinned_mask.expand(bm, hm, T, P), mask.expand(bm, hm, T, S)], dim=-1)
-    return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2), mask
-
-
-def _sparse_keys(cache: KVCache, li: int, r: _Rows, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                 idx: torch.Tensor):
-    """Keys/values of a sparse read: the view's slots of each KV head, then the rows' own K/V.
-
-    k/v [B, Hkv, T, hd] (the rows, after RoPE); idx [Hkv, K]. The rows' own slots are read from ``k/v``
-    rather than the cache, so the same code serves the read-only (grad) pass.
-    """
-    T = k.shape[2]
-    own_slots = r.row_slots(k.device)  # [T]
-    if r.write:
-        if r.slots is None:
-            cache.write(li, r.past, k, v)
-        else:
-            cache.write_at(li, r.slots, k, v)
-        readable = r.S
-    else:
-        readable = r.past  # the grad pass sees only committed slots
-    if idx.numel() and int(idx.max()) >= readable:
-        raise ValueError(f"sparse view of layer {li} reads slot {int(idx.max())}, beyond the {readable} readable")
-    idx = idx.to(k.device)
-    ks = SparseView.gather(idx, cache.k[li, :, :, :readable])  # [B, Hkv, K, hd]
-    vs = SparseView.gather(idx, cache.v[li, :, :, :readable])  # [B, Hkv, K, hd]
-    if mask is None:
-        mask = torch.ones(1, 1, T, r.S, dtype=torch.bool, device=k.device)  # [1, 1, T, S]
-    own = torch.zeros(r.S, dtype=torch.bool, device=k.device)  # [S]
-    own[own_slots] = True
-    m_view = SparseView.gather_mask(idx, mask, own)  # [B|1, Hkv, T, K]
-    m_rows = mask[..., own_slots].expand(-1, idx.shape[0], -1, -1)  # [B|1, Hkv, T, T]
-    return (torch.cat([ks, k], dim=2), torch.cat([vs, v], dim=2),  # [B, Hkv, K + T, hd]
-            torch.cat([m_view, m_rows], dim=-1))  # [B|1, Hkv, T, K + T]
-
-
-def _run_layers(target: HFTarget, x: torch.Tensor, start: int, end: int, r: _Rows, cache: KVCache | None,
+def _run_layers(target: HFTarget, x: torch.Tensor, start: int, end: int, r: PassRows, cache: KVCache | None,
                 view: SparseView | None, taps) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Layers [start, end) on ``x [B, T, d]``; captures the hidden states ``taps`` name (layer convention)."""
     capture_in = set(taps) if target.layer_convention is LayerConvention.INPUT_TO else set()
@@ -579,29 +410,30 @@ def _run_layers(target: HFTarget, x: torch.Tensor, start: int, end: int, r: _Row
     return x, captured
 
 
-def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask, return_aux, return_last_hidden,
-                     logits_rows, input_embeds, *, write_cache: bool,
-                     aux_layer_ids: list[int] | None = None, pinned: PinnedKV | None = None,
-                     pinned_mask: torch.Tensor | None = None, attn_mass_rows: int | None = None) -> TargetOutput:
+def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask, request: PassRequest | None, *,
+                     write_cache: bool) -> TargetOutput:
     # The body of ``HFTarget.forward`` / ``forward_with_grad``: embed -> layers [0, L) -> norm / LM head, the
     # same layer code as ``forward_layers``; only the cache handling differs (scratch write vs read-only).
+    if isinstance(attn_mask, PassRequest):  # one argument early: easy to write, silently wrong otherwise
+        raise TypeError("a PassRequest was passed as attn_mask: pass it as forward(..., request=...)")
+    req = request if request is not None else PassRequest()
     target._decoder()
-    x = target.embed(input_ids) if input_embeds is None else input_embeds.to(target.dtype)  # [B, T, d]
-    r = _prepare(target, x, position_ids, cache, attn_mask, None, write_cache, pinned, pinned_mask)
-    if attn_mass_rows:
-        if int(attn_mass_rows) < 0:
-            raise ValueError(f"attn_mass_rows must be a positive number of rows, got {attn_mass_rows}")
-        r.mass_rows, r.masses = int(attn_mass_rows), []
-    taps = target.check_layer_ids(aux_layer_ids) if aux_layer_ids is not None else target.aux_layer_ids
-    want_aux = return_aux and bool(taps)
-    x, captured = _run_layers(target, x, 0, target.geometry.num_layers, r, cache, None, taps if want_aux else ())
-    aux = torch.cat([captured[i] for i in taps], dim=-1) if want_aux else None  # [B, T, n_taps * d]
+    x = target.embed(input_ids) if req.input_embeds is None else req.input_embeds.to(target.dtype)  # [B, T, d]
+    r = _prepare(target, x, position_ids, cache, attn_mask, None, write_cache, req)
+    if req.attn_mass_rows:
+        if int(req.attn_mass_rows) < 0:
+            raise ValueError(f"attn_mass_rows must be a positive number of rows, got {req.attn_mass_rows}")
+        r.mass_rows, r.masses = int(req.attn_mass_rows), []
+    taps = target.check_layer_ids(req.aux_layer_ids(target.aux_layer_ids))
+    x, captured = _run_layers(target, x, 0, target.geometry.num_layers, r, cache, None, taps)
+    aux = torch.cat([captured[i] for i in taps], dim=-1) if taps else None  # [B, T, n_taps * d]
     # The final hidden state of every row when asked for (offline features), independent of which
     # rows need logits (an empty ``logits_rows`` skips the LM head entirely).
-    last = target.final_norm(x) if return_last_hidden else None  # [B, T, d]
-    if logits_rows is None:
+    last = target.final_norm(x) if req.last_hidden else None  # [B, T, d]
+    rows = req.logits_rows
+    if rows is None:
         hidden = last if last is not None else target.final_norm(x)  # [B, T, d]
     else:
-        hidden = last[:, logits_rows] if last is not None else target.final_norm(x[:, logits_rows])  # [B, R, d]
+        hidden = last[:, rows] if last is not None else target.final_norm(x[:, rows])  # [B, R, d]
     mass = torch.stack(r.masses) if r.mass_rows else None  # [L, B, Hkv, S]
     return TargetOutput(logits=target.lm_head(hidden, norm=False), aux_hidden=aux, last_hidden=last, attn_mass=mass)

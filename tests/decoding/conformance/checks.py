@@ -7,13 +7,19 @@ deliberately broken drafters / engines and assert that they fail.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import closing
 
 import numpy as np
 import torch
 from scipy import stats as scipy_stats
 
 from draftlab.decoding.drafter import Drafter, VerifyOutput
-from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
+from draftlab.decoding.engine import (
+    GenerationConfig,
+    autoregressive_generate,
+    scratch_rows,
+    speculative_generate,
+)
 from draftlab.decoding.sampling import logits_to_probs
 from draftlab.decoding.tree import DraftTree
 
@@ -64,6 +70,9 @@ class Checked(Drafter):
     def sequence_stats(self):
         return self.inner.sequence_stats()
 
+    def close(self):
+        self.inner.close()
+
     def reset(self, state):
         self.inner.reset(state)
 
@@ -79,12 +88,8 @@ class Checked(Drafter):
         self.inner.update(state, out)
 
 
-def _scratch(drafter: Drafter, cfg: GenerationConfig) -> int:
-    return max(cfg.max_tree_rows, drafter.verify_rows(cfg) or 0)
-
-
 def run(target, drafter: Drafter, prompt: list[int], cfg: GenerationConfig, engine=speculative_generate):
-    checked = Checked(drafter, target.geometry.vocab_size, _scratch(drafter, cfg))
+    checked = Checked(drafter, target.geometry.vocab_size, scratch_rows(cfg, drafter))
     out, stats = engine(target, prompt, checked, cfg, trace=True)
     assert checked.trees == stats.rounds
     # The trace is the round record: emitted tokens are its paths + bonuses.
@@ -101,12 +106,12 @@ def check_greedy_equals_ar(target, make_drafter: Callable[[], Drafter], prompts:
     """Greedy speculative output == greedy AR, token for token; returns the draft tokens accepted."""
     cfg = GenerationConfig(max_new_tokens=n, temperature=0.0, stop_on_eos=stop_on_eos, max_tree_rows=DECLARED_ONLY)
     accepted = 0
-    drafter = make_drafter()
-    for prompt in prompts:  # one drafter across sequences: reset must start afresh
-        out, stats = run(target, drafter, prompt, cfg, engine)
-        ar, _ = autoregressive_generate(target, prompt, cfg)
-        assert out == ar, f"greedy speculative output differs from AR at {next(i for i, (a, b) in enumerate(zip(out + [None], ar + [None])) if a != b)}"
-        accepted += sum(len(r.path) - 1 for r in stats.trace)
+    with closing(make_drafter()) as drafter:  # the owner closes what it builds
+        for prompt in prompts:  # one drafter across sequences: reset must start afresh
+            out, stats = run(target, drafter, prompt, cfg, engine)
+            ar, _ = autoregressive_generate(target, prompt, cfg)
+            assert out == ar, f"greedy speculative output differs from AR at {next(i for i, (a, b) in enumerate(zip(out + [None], ar + [None])) if a != b)}"
+            accepted += sum(len(r.path) - 1 for r in stats.trace)
     return accepted
 
 
@@ -160,51 +165,51 @@ def check_sampling(target, make_drafter: Callable[[], Drafter], prompts: list[li
     KS and chi-square tests carry the check. Also returns how many draft tokens were accepted (a check that passes with nothing accepted
     proves little).
     """
-    drafter = make_drafter()
-    u_gen = torch.Generator().manual_seed(1234)
-    us: list[float] = []
-    obs = torch.zeros(3, dtype=torch.float64)
-    exp = torch.zeros(3, dtype=torch.float64)
-    accepted = 0
-    hits, hit_mass, hit_var = 0.0, 0.0, 0.0
-    for prompt in prompts:
-        for seed in seeds:
-            cfg = GenerationConfig(max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                   stop_on_eos=False, max_tree_rows=DECLARED_ONLY)
-            out, stats = run(target, drafter, prompt, cfg, engine)
-            accepted += sum(len(r.path) - 1 for r in stats.trace)
-            seq = prompt + out
-            with torch.no_grad():
-                ids = torch.tensor([seq], device=target.device)
-                all_logits = target.forward(ids).logits[0].float().cpu()  # [T, V] row j: token j + 1
-            p_all = logits_to_probs(all_logits, temperature, top_k, top_p).double()  # [T, V]
-            for r in stats.trace:
-                if not r.deterministic:
-                    # A sampled tree is drawn together with the acceptance coins (speculative sampling's
-                    # coupling): given a sampled child x, the emitted token is x with min(1, p/q) >> p(x).
-                    # Only trees chosen independently of all coins support the conditional test.
-                    continue
-                parents = r.parents.tolist()
-                for k, node in enumerate(r.path[: r.kept]):
-                    kids = sorted({int(r.tokens[c]) for c in range(len(parents)) if parents[c] == node})
-                    if not kids:
+    with closing(make_drafter()) as drafter:  # the owner closes what it builds
+        u_gen = torch.Generator().manual_seed(1234)
+        us: list[float] = []
+        obs = torch.zeros(3, dtype=torch.float64)
+        exp = torch.zeros(3, dtype=torch.float64)
+        accepted = 0
+        hits, hit_mass, hit_var = 0.0, 0.0, 0.0
+        for prompt in prompts:
+            for seed in seeds:
+                cfg = GenerationConfig(max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                       stop_on_eos=False, max_tree_rows=DECLARED_ONLY)
+                out, stats = run(target, drafter, prompt, cfg, engine)
+                accepted += sum(len(r.path) - 1 for r in stats.trace)
+                seq = prompt + out
+                with torch.no_grad():
+                    ids = torch.tensor([seq], device=target.device)
+                    all_logits = target.forward(ids).logits[0].float().cpu()  # [T, V] row j: token j + 1
+                p_all = logits_to_probs(all_logits, temperature, top_k, top_p).double()  # [T, V]
+                for r in stats.trace:
+                    if not r.deterministic:
+                        # A sampled tree is drawn together with the acceptance coins (speculative sampling's
+                        # coupling): given a sampled child x, the emitted token is x with min(1, p/q) >> p(x).
+                        # Only trees chosen independently of all coins support the conditional test.
                         continue
-                    mass = float(p_all[r.anchor + k, kids].sum())
-                    hits += float(seq[r.anchor + k + 1] in kids)
-                    hit_mass += mass
-                    hit_var += mass * (1 - mass)
-            p = p_all[len(prompt):len(seq) - 1]  # [n-1, V]
-            y = torch.tensor(out[1:])  # [n-1]
-            sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)  # [n-1, V]
-            rank = (order == y[:, None]).nonzero()[:, 1]  # [n-1]
-            before = torch.cumsum(sorted_p, -1) - sorted_p  # [n-1, V]
-            rows = torch.arange(len(y))
-            py = sorted_p[rows, rank]  # [n-1]
-            assert bool((py > 0).all()), "emitted a token the target cannot emit"
-            us += (before[rows, rank] + torch.rand(len(y), generator=u_gen, dtype=torch.float64) * py).tolist()
-            bins = torch.bucketize(rank, torch.tensor([1, 4]), right=True)  # 0: argmax, 1: ranks 2-4, 2: rest
-            obs += torch.bincount(bins, minlength=3).double()
-            exp += torch.stack([sorted_p[:, :1].sum(-1), sorted_p[:, 1:4].sum(-1), sorted_p[:, 4:].sum(-1)], 1).sum(0)
+                    parents = r.parents.tolist()
+                    for k, node in enumerate(r.path[: r.kept]):
+                        kids = sorted({int(r.tokens[c]) for c in range(len(parents)) if parents[c] == node})
+                        if not kids:
+                            continue
+                        mass = float(p_all[r.anchor + k, kids].sum())
+                        hits += float(seq[r.anchor + k + 1] in kids)
+                        hit_mass += mass
+                        hit_var += mass * (1 - mass)
+                p = p_all[len(prompt):len(seq) - 1]  # [n-1, V]
+                y = torch.tensor(out[1:])  # [n-1]
+                sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)  # [n-1, V]
+                rank = (order == y[:, None]).nonzero()[:, 1]  # [n-1]
+                before = torch.cumsum(sorted_p, -1) - sorted_p  # [n-1, V]
+                rows = torch.arange(len(y))
+                py = sorted_p[rows, rank]  # [n-1]
+                assert bool((py > 0).all()), "emitted a token the target cannot emit"
+                us += (before[rows, rank] + torch.rand(len(y), generator=u_gen, dtype=torch.float64) * py).tolist()
+                bins = torch.bucketize(rank, torch.tensor([1, 4]), right=True)  # 0: argmax, 1: ranks 2-4, 2: rest
+                obs += torch.bincount(bins, minlength=3).double()
+                exp += torch.stack([sorted_p[:, :1].sum(-1), sorted_p[:, 1:4].sum(-1), sorted_p[:, 4:].sum(-1)], 1).sum(0)
     ks = float(scipy_stats.kstest(us, "uniform").pvalue)
     # Pooling keeps the chi-square honest but blurs rare bins (at T=1 the target's argmax is itself rare),
     # where a lossy rule shows first; each bin's count is also compared with its exact Poisson tail (a sum of
@@ -344,14 +349,14 @@ def check_first_round_law(target, make_drafter: Callable[[], Drafter], prompt: l
     gives the check a draft that is accepted, and kills each slip there). Returns the statistics and the
     draft tokens accepted in first rounds (a check that passes with nothing accepted proves little).
     """
-    drafter = make_drafter()
-    rows, accepted = [], 0
-    for seed in range(trials):
-        cfg = GenerationConfig(max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                               stop_on_eos=False, max_tree_rows=DECLARED_ONLY)
-        out, stats = run(target, drafter, prompt, cfg, engine)
-        accepted += len(stats.trace[0].path) - 1
-        rows.append(out[:3])
+    with closing(make_drafter()) as drafter:  # the owner closes what it builds
+        rows, accepted = [], 0
+        for seed in range(trials):
+            cfg = GenerationConfig(max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                   stop_on_eos=False, max_tree_rows=DECLARED_ONLY)
+            out, stats = run(target, drafter, prompt, cfg, engine)
+            accepted += len(stats.trace[0].path) - 1
+            rows.append(out[:3])
     y = np.array(rows)  # [n, 3]
     law2, bin2 = _rank_bin_laws(target, [prompt + [a] for a in y[:, 0].tolist()], y[:, 1].tolist(),
                                 temperature, top_k, top_p)

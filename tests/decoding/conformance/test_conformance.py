@@ -70,6 +70,7 @@ def test_builds_from_config(tiny_target, name):
     taps = drafter.aux_layers(tiny_target)
     if taps is not None:
         tiny_target.check_layer_ids(taps)
+    drafter.close()  # what builds a drafter closes it
 
 
 def _vocab(s, target):

@@ -28,6 +28,7 @@ import torch
 from draftlab.decoding.cache import PinnedKV
 from draftlab.decoding.drafter import ExtraRows
 from draftlab.decoding.tree import ancestor_mask
+from draftlab.targets.base import PassRequest
 
 
 @torch.no_grad()
@@ -35,8 +36,9 @@ def soft_prompt_kv(target, soft_prompts: torch.Tensor) -> PinnedKV:
     """The soft prompts' keys/values at every target layer (positions ``0..s-1``, causal among themselves)."""
     s = soft_prompts.shape[0]
     cache = target.new_cache(1, s)
-    target.forward(None, torch.arange(s, device=target.device), cache, input_embeds=soft_prompts[None],
-                   logits_rows=torch.arange(0, device=target.device))
+    no_logits = torch.arange(0, device=target.device)
+    target.forward(None, torch.arange(s, device=target.device), cache,
+                   request=PassRequest(input_embeds=soft_prompts[None], logits_rows=no_logits))
     cache.commit(s)
     return PinnedKV.capture(cache)
 
@@ -98,8 +100,9 @@ def contemplate(target, cache, soft_prompts: torch.Tensor | PinnedKV, con_embed:
     mask[:, s:, T + s:] = torch.eye(K, dtype=torch.bool, device=dev)
     positions = torch.cat([torch.arange(s, device=dev).expand(B, s), a + 1], dim=1)  # [B, R]
     embeds = torch.cat([soft_prompts.expand(B, -1, -1).to(con_embed), con_embed], dim=1)  # [B, R, d_t]
-    out = target.forward_with_grad(None, positions, cache, mask, return_aux=True, aux_layer_ids=aux_layer_ids,
-                                   logits_rows=torch.arange(0, device=dev), input_embeds=embeds)
+    request = PassRequest(input_embeds=embeds, aux=True if aux_layer_ids is None else aux_layer_ids,
+                          logits_rows=torch.arange(0, device=dev))
+    out = target.forward_with_grad(None, positions, cache, mask, request)
     return out.aux_hidden[:, s:]  # [B, K, 3*d_t]
 
 
@@ -115,7 +118,7 @@ def _contemplate_pinned(target, cache, pinned: PinnedKV, con_embed: torch.Tensor
     mask[:, :, :T] = (torch.arange(T, device=dev) <= a[..., None]) & valid[..., None]
     mask[:, :, T:] = torch.eye(K, dtype=torch.bool, device=dev)
     pmask = valid[..., None].expand(B, K, pinned.num_rows)  # [B, K, s]
-    out = target.forward_with_grad(None, a + 1, cache, mask, return_aux=True, aux_layer_ids=aux_layer_ids,
-                                   logits_rows=torch.arange(0, device=dev), input_embeds=con_embed,
-                                   pinned=pinned, pinned_mask=pmask)
+    request = PassRequest(input_embeds=con_embed, aux=True if aux_layer_ids is None else aux_layer_ids,
+                          logits_rows=torch.arange(0, device=dev), pinned=pinned, pinned_mask=pmask)
+    out = target.forward_with_grad(None, a + 1, cache, mask, request)
     return out.aux_hidden  # [B, K, 3*d_t]

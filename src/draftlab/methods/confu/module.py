@@ -31,6 +31,7 @@ from draftlab.methods.confu.model import ConFuDraft, FutureTTTAttention, future_
 from draftlab.methods.eagle3.metrics import TTTHooks, TTTMetrics, TTTStep
 from draftlab.methods.eagle3.module import load_draft_checkpoint, save_draft_checkpoint
 from draftlab.methods.eagle3.ttt import TTTOutput
+from draftlab.targets.base import PassRequest
 from draftlab.training.schedule import configure
 
 
@@ -116,7 +117,7 @@ class ConFuModule(TTTHooks, L.LightningModule):
         cache = self.target.new_cache(B, T)
         taps = self.draft.tapped_layers(self.target)
         with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):  # the target in its own precision
-            out = self.target.forward(ids, cache=cache, return_aux=True, aux_layer_ids=taps)
+            out = self.target.forward(ids, cache=cache, request=PassRequest(aux=taps))
         cache.commit(T)
         aux, logits = out.aux_hidden, out.logits  # [B, T, 3*d_t], [B, T, V]
         if anchors is None:

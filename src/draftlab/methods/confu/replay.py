@@ -29,6 +29,7 @@ import torch
 from draftlab.methods.confu.contemplate import contemplate
 from draftlab.methods.confu.model import ConFuDraft, FutureTTTAttention, future_visibility
 from draftlab.methods.eagle3.replay import Eagle3Replay
+from draftlab.targets.base import PassRequest
 
 
 @dataclass
@@ -46,9 +47,9 @@ class ConFuReplay(Eagle3Replay):
         T = tokens.shape[0]
         cache = target.new_cache(1, T)
         with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
-            out = target.forward(tokens[None].to(target.device), cache=cache, return_aux=True,
-                                 aux_layer_ids=draft.tapped_layers(target),
-                                 logits_rows=torch.arange(0, device=target.device))  # no LM head rows
+            no_logits = torch.arange(0, device=target.device)  # no LM head rows
+            out = target.forward(tokens[None].to(target.device), cache=cache,
+                                 request=PassRequest(aux=draft.tapped_layers(target), logits_rows=no_logits))
         cache.commit(T)
         return TargetPass(out.aux_hidden, cache)
 

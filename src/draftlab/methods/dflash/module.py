@@ -28,7 +28,8 @@ import torch
 from draftlab.methods.dflash.blocks import SUMMED, block_logits, block_loss, make_blocks
 from draftlab.methods.dflash.config import DFlashConfig, default_gamma
 from draftlab.methods.dflash.model import DFlashDraft
-from draftlab.methods.eagle3.ttt import simulated_tau
+from draftlab.nn import simulated_tau
+from draftlab.targets.base import PassRequest
 from draftlab.training.schedule import configure, warmup_cosine
 
 
@@ -69,9 +70,9 @@ class DFlashModule(L.LightningModule):
             raise RuntimeError("online batch (tokens only) but the module has no target")
         with torch.no_grad():
             # Right padding + causal attention: padded rows never reach real ones. No LM head (empty rows).
-            out = self.target.forward(batch["input_ids"], return_aux=True,
-                                      aux_layer_ids=self.draft.tapped_layers(self.target),
-                                      logits_rows=torch.arange(0, device=batch["input_ids"].device))
+            no_logits = torch.arange(0, device=batch["input_ids"].device)
+            out = self.target.forward(batch["input_ids"], request=PassRequest(
+                aux=self.draft.tapped_layers(self.target), logits_rows=no_logits))
         return out.aux_hidden
 
     def block_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from draftlab.methods.dflash.blocks import block_logits, make_blocks
 from draftlab.methods.dflash.model import DFlashDraft
+from draftlab.targets.base import PassRequest
 
 
 class DFlashReplay:
@@ -37,9 +38,9 @@ class DFlashReplay:
     def features(self, draft: DFlashDraft, target, tokens: torch.Tensor) -> torch.Tensor:
         """The target's tapped states ``[1, T, n_taps*d]`` over ``tokens [T]`` (no gradient, target precision)."""
         with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
-            out = target.forward(tokens[None].to(target.device), return_aux=True,
-                                 aux_layer_ids=draft.tapped_layers(target),
-                                 logits_rows=torch.arange(0, device=target.device))  # no LM head rows
+            no_logits = torch.arange(0, device=target.device)  # no LM head rows
+            out = target.forward(tokens[None].to(target.device),
+                                 request=PassRequest(aux=draft.tapped_layers(target), logits_rows=no_logits))
         return out.aux_hidden
 
     def logprobs(self, draft: DFlashDraft, target, tokens: torch.Tensor, roots: torch.Tensor,

@@ -22,6 +22,7 @@ round, the quantity the method optimises); ``conf/method/draft_opd.yaml`` names 
 
 from __future__ import annotations
 
+from contextlib import closing
 from functools import partial
 from typing import Any
 
@@ -112,8 +113,7 @@ class DraftOPDModule(L.LightningModule):
         was_training = self.draft.training
         device = next(self.draft.parameters()).device  # any student's draft, not one with a named layer
         try:
-            with torch.autocast(device.type, enabled=False):
-                drafter = self.drafter_factory(self.draft)
+            with torch.autocast(device.type, enabled=False), closing(self.drafter_factory(self.draft)) as drafter:
                 return rollout(self.target, drafter, prompts, self.generation, vocab_ids=self.vocab_ids(),
                                rejected_suffix=self.rejected_suffix, max_prompt_tokens=self.max_prompt_tokens)
         finally:
@@ -155,8 +155,8 @@ class DraftOPDModule(L.LightningModule):
         was_training = self.draft.training
         device = next(self.draft.parameters()).device
         try:
-            with torch.no_grad(), torch.autocast(device.type, enabled=False):
-                drafter = self.drafter_factory(self.draft)
+            with torch.no_grad(), torch.autocast(device.type, enabled=False), \
+                    closing(self.drafter_factory(self.draft)) as drafter:
                 traces = rounds_at(self.target, drafter, ro.tokens.tolist(), ro.prompt_len, positions,
                                    self.generation, generator=sampling)
         finally:

@@ -29,19 +29,28 @@ refused.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
-from draftlab.decoding.engine import GenerationConfig, RoundTrace, round_trace, verify_inputs
+from draftlab.decoding.engine import (
+    GenerationConfig,
+    RoundTrace,
+    pass_request,
+    round_trace,
+    scratch_rows,
+    verify_pass,
+)
 from draftlab.decoding.tree import DraftTree
 from draftlab.decoding.verify import VerifyResult, verify
+from draftlab.targets.base import PassRequest
 
 
-def _tree_pass(target, tree: DraftTree, cache, aux_kw: dict):
+def _tree_pass(target, tree: DraftTree, cache, request: PassRequest):
     """One verify pass of ``tree`` over the committed cache (the engine's inputs): (output, logits [N, V],
     aux [N, .] or None)."""
-    ids, _, pos, mask = verify_inputs(target, tree, None, cache.length)
-    out = target.forward(ids, pos, cache, mask, **aux_kw)
+    out = verify_pass(target, tree, None, cache.length, request).run(target, cache)
     n = tree.size
     aux = out.aux_hidden[0, :n] if out.aux_hidden is not None else None
     return out, out.logits[0, :n], aux
@@ -69,16 +78,15 @@ def rounds_at(target, drafter: Drafter, tokens: list[int], prompt_len: int, posi
         raise ValueError("need a non-empty prompt")
     if not positions:
         return []
-    taps = drafter.aux_layers(target)
-    aux_kw = {"return_aux": True, "aux_layer_ids": list(taps)} if taps else {}
-    if drafter.attention_rows():
+    request = pass_request(target, drafter)
+    if request.attn_mass_rows:
         raise ValueError("rounds_at does not serve drafters that read the verify passes' attention mass")
     # Room for the longest pass: a forced chain can span the whole response, a tree the drafter's rows.
-    scratch = max(cfg.max_tree_rows, drafter.verify_rows(cfg) or 0, T)
+    scratch = max(scratch_rows(cfg, drafter), T)
     cache = target.new_cache(1, T + scratch)
     ids = torch.tensor([tokens[:prompt_len]], dtype=torch.long, device=target.device)  # [1, P]
-    out = target.forward(ids, cache=cache, logits_rows=torch.tensor([prompt_len - 1], device=target.device),
-                         **aux_kw)
+    last = torch.tensor([prompt_len - 1], device=target.device)
+    out = target.forward(ids, None, cache, None, replace(request, logits_rows=last))
     cache.commit(prompt_len)
     # The root is the committed first response token (at T=0 the prefill's own argmax), not a new draw.
     state = DecodeState(target=target, cache=cache, tokens=list(tokens[:prompt_len + 1]), prompt_len=prompt_len,
@@ -101,7 +109,7 @@ def rounds_at(target, drafter: Drafter, tokens: list[int], prompt_len: int, posi
         if until <= root:
             return
         chain = DraftTree.chain(tokens[root], tokens[root + 1: until], deterministic=True)
-        _, logits, aux = _tree_pass(target, chain, cache, aux_kw)
+        _, logits, aux = _tree_pass(target, chain, cache, request)
         result = VerifyResult(list(range(chain.size)), int(tokens[until]), [])
         absorb(chain, result, logits, aux, list(range(chain.size)))
 
@@ -116,7 +124,7 @@ def rounds_at(target, drafter: Drafter, tokens: list[int], prompt_len: int, posi
         n = tree.size
         vout = drafter.verify_forward(state, tree)
         if vout is None:
-            vout, logits, aux = _tree_pass(target, tree, cache, aux_kw)
+            vout, logits, aux = _tree_pass(target, tree, cache, request)
         else:
             logits = vout.logits[0, :n]
             aux = vout.aux_hidden[0, :n] if vout.aux_hidden is not None else None

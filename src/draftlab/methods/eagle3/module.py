@@ -29,6 +29,7 @@ import torch
 from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.methods.eagle3.metrics import TTTHooks, TTTMetrics, TTTStep
 from draftlab.methods.eagle3.model import Eagle3Draft
+from draftlab.targets.base import PassRequest
 from draftlab.training.schedule import configure
 
 _EMBED_KEY = "draft.embed_tokens.weight"
@@ -86,8 +87,8 @@ class Eagle3Module(TTTHooks, L.LightningModule):
         with torch.no_grad():
             # Right padding + causal attention: padded rows never reach real ones, as in the offline store.
             with torch.autocast(batch["input_ids"].device.type, enabled=False):
-                out = self.target.forward(batch["input_ids"], return_aux=True,
-                                          aux_layer_ids=self.draft.tapped_layers(self.target))
+                out = self.target.forward(batch["input_ids"],
+                                          request=PassRequest(aux=self.draft.tapped_layers(self.target)))
         return out.aux_hidden, out.logits
 
     def loss(self, batch: dict[str, torch.Tensor]):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from draftlab.methods.eagle3.model import Eagle3Draft
 from draftlab.methods.eagle3.ttt import TTTAttention
+from draftlab.targets.base import PassRequest
 
 
 class Eagle3Replay:
@@ -35,8 +36,8 @@ class Eagle3Replay:
     def features(self, draft: Eagle3Draft, target, tokens: torch.Tensor) -> torch.Tensor:
         """The target's tapped states ``[1, T, 3*d_t]`` over ``tokens [T]`` (no gradient, target precision)."""
         with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
-            out = target.forward(tokens[None].to(target.device), return_aux=True,
-                                 aux_layer_ids=draft.tapped_layers(target))
+            out = target.forward(tokens[None].to(target.device),
+                                 request=PassRequest(aux=draft.tapped_layers(target)))
         return out.aux_hidden
 
     def prepare(self, draft: Eagle3Draft, target, tokens: torch.Tensor, rows: torch.Tensor, features

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from hydra.utils import get_class
 
-from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
+from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput, closing_all
 from draftlab.decoding.tree import DraftTree
 
 
@@ -115,6 +115,10 @@ class HybridDrafter(Drafter):
                 budget.observe(len(path.intersection(where[1:])))
         self.learned.update(state, out)
         self.lookup.update(state, out)
+
+    def close(self) -> None:
+        with closing_all(self.learned, self.lookup):  # it owns both components
+            pass
 
     def sequence_stats(self) -> dict[str, float]:
         """Rounds decoded and rounds in which the learned draft ran (fewer with ``skip_learned_at``)."""

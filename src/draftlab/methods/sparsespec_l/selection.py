@@ -2,8 +2,8 @@
 
 The importance of slot i at layer l, KV head h is the attention mass the last ``rows`` verification query
 rows put on it (``s_{l,h}(i) = sum_q A_{l,h}(q, i)``, summed over the query heads of the group), which every
-verify pass computes anyway (``Target.forward(attn_mass_rows=W)``). Selection is per layer and per KV head,
-at token granularity, and is redone each round from the dense cache, so a slot dropped from one view can
+verify pass computes anyway (``PassRequest(attn_mass_rows=W)``). Selection is per layer and per KV head, at
+token granularity, and is redone each round from the dense cache, so a slot dropped from one view can
 be chosen again later (recall): nothing is ever evicted from the target's cache.
 """
 
