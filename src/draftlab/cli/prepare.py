@@ -62,14 +62,11 @@ def _job_overrides(overrides: list[str] | None) -> tuple[list[str], str | None]:
     """The command-line overrides and the ``method`` group choice of the running Hydra job, where there is one."""
     from hydra.core.hydra_config import HydraConfig
 
-    choice = None
-    if HydraConfig.initialized():
+    if overrides is None and HydraConfig.initialized():
         hc = HydraConfig.get()
-        if overrides is None:
-            overrides = list(hc.overrides.task)
-        choice = hc.runtime.choices.get("method")
-    if choice is None:
-        choice = next((o.split("=", 1)[1] for o in overrides or () if o.split("=", 1)[0] == "method"), None)
+        return list(hc.overrides.task), hc.runtime.choices.get("method")
+    # Given explicitly (a composition outside the Hydra app): the choice, if any, is among them.
+    choice = next((o.split("=", 1)[1] for o in overrides or () if o.split("=", 1)[0] == "method"), None)
     return list(overrides or ()), choice
 
 
