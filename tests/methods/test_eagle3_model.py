@@ -3,7 +3,7 @@ import torch
 
 from draftlab.data.vocab import build_vocab_mapping
 from draftlab.methods.eagle3 import CacheAttention, CausalAttention, Eagle3Config, Eagle3Draft
-from draftlab.methods.eagle3.model import rope_inv_freq
+from draftlab.nn import rope_inv_freq
 
 D, DT, H, HKV, HD, FF, V, VD = 32, 16, 4, 2, 8, 64, 50, 20
 

@@ -12,7 +12,7 @@ For one sequence ``x_0..x_{T-1}`` with tapped target states ``F_t`` (context ``x
   ``block_attention_mask`` spells the same rule out as one explicit ``[Q, T + Q]`` mask for tests.
 
 Metrics are returned as sums (numerators and denominators) so validation can aggregate across batches
-and ranks before dividing. ``simulated_tau`` (from EAGLE-3's TTT) turns the conditional accuracies
+and ranks before dividing. ``simulated_tau`` (``draftlab.nn``) turns the conditional accuracies
 (slot k right given slots 1..k-1 right) into the expected tokens per verify round of a greedy chain.
 """
 

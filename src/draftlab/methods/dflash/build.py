@@ -13,8 +13,8 @@ import torch
 
 from draftlab.methods.dflash.config import DFlashConfig, default_mask_token_id, default_taps
 from draftlab.methods.dflash.model import DFlashDraft
-from draftlab.methods.eagle3.config import rope_from_hf_config
 from draftlab.methods.placement import target_device
+from draftlab.nn import LlamaLayerGeometry
 from draftlab.targets.base import LayerConvention, to_convention
 from draftlab.utils.errors import ConfigError
 
@@ -62,15 +62,13 @@ def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers
     check = getattr(target, "check_layer_ids", None)
     if check is not None:
         check(taps)
-    hf_config = getattr(getattr(target, "model", None), "config", None)
-    rope_theta, rope_scaling = rope_from_hf_config(hf_config)
+    layer = LlamaLayerGeometry.from_target(target, default_eps=1e-6).fields()
+    if intermediate_size:
+        layer["intermediate_size"] = int(intermediate_size)
     fields: dict[str, Any] = dict(
-        hidden_size=g.hidden_size, intermediate_size=int(intermediate_size or g.intermediate_size),
-        num_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, vocab_size=g.vocab_size,
-        num_layers=int(num_layers), block_size=int(block_size),
+        layer, vocab_size=g.vocab_size, num_layers=int(num_layers), block_size=int(block_size),
         mask_token_id=int(mask_token_id) if mask_token_id is not None else default_mask_token_id(target),
         target_layer_ids=taps, layer_convention=conv.value, num_target_layers=g.num_layers,
-        rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
     )
     fields.update({k: v for k, v in overrides.items() if v is not None})
     config = DFlashConfig(**fields)

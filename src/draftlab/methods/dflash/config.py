@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from draftlab.nn import LlamaLayerGeometry
 from draftlab.targets.base import LayerConvention, to_convention
 
 # The paper's loss-decay constants per block size (gamma in w_k = exp(-(k-1)/gamma)).
@@ -48,10 +49,7 @@ class DFlashConfig:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if not self.target_layer_ids:
             raise ValueError("DFlash needs at least one tapped target layer (target_layer_ids is empty)")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        LlamaLayerGeometry.of(self)  # the decoder layers' own consistency checks
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
@@ -59,6 +57,11 @@ class DFlashConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of the "
                              f"{self.vocab_size}-token vocabulary")
+
+    @property
+    def layer(self) -> LlamaLayerGeometry:
+        """The decoder layers' sizes (also the Llama fields an exporter writes to ``config.json``)."""
+        return LlamaLayerGeometry.of(self)
 
     @property
     def num_taps(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from draftlab.nn import LlamaLayerGeometry
 from draftlab.targets.base import LayerConvention, to_convention
 
 
@@ -59,10 +60,7 @@ class Eagle3Config:
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
         if self.fc_norm and self.norm_before_fc:
             raise ValueError("fc_norm and norm_before_fc are mutually exclusive (both normalise the fc input)")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        LlamaLayerGeometry.of(self)  # the decoder layer's own consistency checks
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
@@ -73,6 +71,11 @@ class Eagle3Config:
         # would make the draft's own fed-back state indistinguishable from target features.
         if 3 * self.target_hidden_size == self.hidden_size:
             raise ValueError("3 * target_hidden_size == hidden_size makes fused features and draft states ambiguous")
+
+    @property
+    def layer(self) -> LlamaLayerGeometry:
+        """The decoder layer's sizes (also what an exporter writes as the Llama fields of ``config.json``)."""
+        return LlamaLayerGeometry.of(self)
 
     @property
     def fc_in_features(self) -> int:
@@ -99,37 +102,10 @@ class Eagle3Config:
         conv = LayerConvention(layer_convention) if layer_convention is not None else src
         if aux_layer_ids is None:
             aux_layer_ids = [to_convention(i, src, conv) for i in target.aux_layer_ids]
-        hf_config = getattr(getattr(target, "model", None), "config", None)
-        rope_theta, rope_scaling = rope_from_hf_config(hf_config)
         fields: dict[str, Any] = dict(
-            hidden_size=g.hidden_size, intermediate_size=g.intermediate_size, num_heads=g.num_heads,
-            num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, vocab_size=g.vocab_size,
-            draft_vocab_size=draft_vocab_size, rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-5)),
-            rope_theta=rope_theta, rope_scaling=rope_scaling, target_hidden_size=g.hidden_size,
+            LlamaLayerGeometry.from_target(target, default_eps=1e-5).fields(), vocab_size=g.vocab_size,
+            draft_vocab_size=draft_vocab_size, target_hidden_size=g.hidden_size,
             aux_layer_ids=list(aux_layer_ids), layer_convention=conv.value,
         )
         fields.update(overrides)
         return cls(**fields)
-
-
-def rope_from_hf_config(hf_config) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, rope_scaling)`` from an HF config of transformers 4 or 5.
-
-    transformers 5 moved both into ``config.rope_parameters`` (possibly one dict per attention type);
-    transformers 4 keeps ``rope_theta`` and ``rope_scaling`` as attributes.
-    """
-    if hf_config is None:
-        return 10000.0, None
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and params and "rope_theta" not in params:
-        # Per-layer-type parameters (e.g. sliding vs full attention): the draft layer is full attention.
-        nested = params.get("full_attention") or next((v for v in params.values() if isinstance(v, dict)), None)
-        params = nested
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(getattr(hf_config, "rope_theta", 10000.0) or 10000.0)
-        scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    return theta, (None if rope_type == "default" else scaling)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draftlab.methods.eagle3.ttt import NORMALIZATIONS, TTTAttention, TTTOutput, simulated_tau, ttt_forward
+from draftlab.methods.eagle3.ttt import NORMALIZATIONS, TTTAttention, TTTOutput, ttt_forward
+from draftlab.nn import simulated_tau
 
 _SUMMED = ("correct", "count", "cond_correct", "cond_count", "accept_sum", "loss_sum", "loss_denom")
 

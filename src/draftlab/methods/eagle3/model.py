@@ -18,9 +18,8 @@ without the layer knowing which one it runs under.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,81 +28,8 @@ from torch import nn
 from draftlab.decoding.cache import KVCache
 from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.methods.placement import target_device
+from draftlab.nn import RMSNorm, Rotary, apply_rotary, compute_dtype
 from draftlab.targets.base import to_convention
-
-
-# Softmax / norm precision: at least fp32, but fp64 stays fp64 (gradient checks run in double).
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in (at least) fp32 and scale in the input dtype, as Llama does.
-        y = F.rms_norm(x.to(_compute_dtype(x.dtype)), (x.shape[-1],), eps=self.eps)
-        return self.weight * y.to(x.dtype)
-
-
-# ------------------------------------------------------------------------------------------------------
-# RoPE
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` (fp64) for plain, ``linear`` or ``llama3`` RoPE."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [hd/2]
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv
-    if rope_type == "linear":
-        # Positions divided by the factor == frequencies divided by it.
-        return inv / float(scaling["factor"])
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        ctx = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        # Long wavelengths (beyond the original context / low) are slowed by the full factor, short ones
-        # (below context / high) are kept, and the band in between is interpolated linearly in ctx/wavelen.
-        smooth = ((ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-        scaled = (1 - smooth) * inv / factor + smooth * inv
-        return torch.where(wavelen > ctx / low, inv / factor, torch.where(wavelen < ctx / high, inv, scaled))
-    raise NotImplementedError(f"rope_type '{rope_type}' is not supported by the EAGLE-3 draft (default, linear, llama3)")
-
-
-class Rotary(nn.Module):
-    """Llama rotary embedding with explicit positions; holds no state_dict entries (exports stay clean)."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None):
-        super().__init__()
-        # A plain attribute, not a buffer: ``model.to(bf16)`` must not round the frequencies.
-        self._inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [hd/2] fp64
-        self._cached: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[B, 1, T, hd]`` for ``position_ids [B, T]``."""
-        ct = _compute_dtype(dtype)
-        key = (position_ids.device, ct)
-        inv = self._cached.get(key)
-        if inv is None:
-            inv = self._cached[key] = self._inv_freq.to(device=position_ids.device, dtype=ct)
-        freqs = position_ids.to(ct)[..., None] * inv  # [B, T, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, hd]
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, hd]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
 
 # ------------------------------------------------------------------------------------------------------
 # attention back-ends
@@ -128,7 +54,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     G = H // Hkv
     qg = q.reshape(B, Hkv, G * T, hd)  # heads h = kv * G + g share KV head kv
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(B, Hkv, G, T, S)  # [B, Hkv, G, T, S]
-    scores = scores.to(_compute_dtype(scores.dtype)) * scale
+    scores = scores.to(compute_dtype(scores.dtype)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask.reshape(-1, 1, 1, T, S), torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, Hkv, G * T, S)

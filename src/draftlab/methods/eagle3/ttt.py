@@ -130,8 +130,20 @@ class TTTOutput:
 
     - ``loss``: step loss as normalised; ``loss_sum``/``loss_denom`` give it back and aggregate across batches;
     - ``acc`` = ``correct / count``; ``cond_acc`` = ``cond_correct / cond_count``;
-      ``acceptance_rate`` = ``accept_sum / count`` (definitions in ``ttt_forward``).
+      ``acceptance_rate`` = ``accept_sum / count``.
     Aggregate over batches by summing the numerators and denominators, never by averaging ratios.
+
+    With ``p``, ``q``, ``pos_mask`` and ``lm_k`` as defined in ``ttt_forward``:
+
+    - ``acc_k`` (EAGLE / SpecForge v0.2 definition): ``sum([argmax q == argmax p] * pos_mask) / sum(lm_k)``,
+      i.e. the draft's greedy token equals the target's greedy token, out-of-draft-vocab targets count as
+      misses, and the denominator is all loss-masked rows.
+    - ``cond_acc_k``: the same, restricted to rows whose steps 0..k-1 were all correct (the chance that
+      draft token k+1 is accepted given the first k were, under greedy verification).
+    - ``acceptance_rate_k``: loss-masked mean over rows of ``sum_{v in draft vocab} min(p_full_v, q_v)``
+      with ``p_full = softmax(z)`` over the full vocabulary (not renormalised). Since q puts no mass
+      outside the draft vocabulary, this is ``1 - TV(p_full, q)``: the probability that a token sampled
+      from q is accepted by speculative sampling at temperature 1 (teacher-forced context).
     """
 
     loss: torch.Tensor
@@ -184,26 +196,10 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
     - ``pos_mask = t2d[argmax z] * lm_k``: rows whose full-vocabulary target argmax the draft cannot emit
       are dropped from the loss.
     - ``loss_k = -sum(pos_mask * sum_v p_v log q_v) / denom``; total ``sum_k step_weight**k * loss_k``.
-    - ``acc_k`` (EAGLE / SpecForge v0.2 definition): ``sum([argmax q == argmax p] * pos_mask) / sum(lm_k)``,
-      i.e. the draft's greedy token equals the target's greedy token, out-of-draft-vocab targets count as
-      misses, and the denominator is all loss-masked rows.
-    - ``cond_acc_k``: the same, restricted to rows whose steps 0..k-1 were all correct (the chance that
-      draft token k+1 is accepted given the first k were, under greedy verification).
-    - ``acceptance_rate_k``: loss-masked mean over rows of ``sum_{v in draft vocab} min(p_full_v, q_v)``
-      with ``p_full = softmax(z)`` over the full vocabulary (not renormalised). Since q puts no mass
-      outside the draft vocabulary, this is ``1 - TV(p_full, q)``: the probability that a token sampled
-      from q is accepted by speculative sampling at temperature 1 (teacher-forced context).
+    - per-step accuracies and acceptance rates: see ``TTTOutput``.
     """
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got '{normalization}'")
-    if ttt_length < 1:
-        raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
+    _check_inputs(draft, input_ids, aux_hidden, target_logits, loss_mask, normalization, ttt_length)
     B, T = input_ids.shape
-    if aux_hidden.shape[:2] != (B, T) or target_logits.shape[:2] != (B, T) or loss_mask.shape != (B, T):
-        raise ValueError(f"shape mismatch: input_ids {tuple(input_ids.shape)}, aux_hidden {tuple(aux_hidden.shape)}, "
-                         f"target_logits {tuple(target_logits.shape)}, loss_mask {tuple(loss_mask.shape)}")
-    if target_logits.shape[-1] != draft.t2d.numel():
-        raise ValueError(f"target_logits have V={target_logits.shape[-1]} but the draft's t2d has {draft.t2d.numel()}")
     device = input_ids.device
     if attention_mask is not None:
         attention_mask = attention_mask.to(device=device, dtype=torch.bool)
@@ -214,17 +210,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
     has_target_all = (attention_mask.float() if attention_mask is not None
                       else torch.ones(B, T, device=device))  # [B, T]
     row_weight = row_mask.to(device=device, dtype=torch.float32) if row_mask is not None else None  # [B, T]
-
-    with torch.no_grad():
-        z = target_logits.to(torch.promote_types(target_logits.dtype, torch.float32))  # [B, T, V]
-        draft_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)  # [V_d]
-        z_d = z.index_select(-1, draft_ids.to(z.device))  # [B, T, V_d]
-        lse_d = torch.logsumexp(z_d, dim=-1, keepdim=True)  # [B, T, 1]
-        p_all = torch.exp(z_d - lse_d)  # [B, T, V_d] renormalised over the draft vocab
-        p_full_all = torch.exp(z_d - torch.logsumexp(z, dim=-1, keepdim=True))  # [B, T, V_d] full softmax mass
-        in_draft_all = draft.t2d.to(z.device)[z.argmax(-1)].float()  # [B, T]
-        target_arg_all = z_d.argmax(-1)  # [B, T] draft id of the target's (draft-vocab) argmax
-        del z, z_d
+    tgt = _TargetSide.of(draft, target_logits)
 
     denom_bt = torch.tensor(float(B * T), device=device)
     attention = attention if attention is not None else TTTAttention(attention_mask, naive=naive)
@@ -236,11 +222,11 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
     for k in range(ttt_length):
         ids_k = _shift_left(input_ids, k + 1)  # [B, T] row t consumes x_{t+k+1}
         hidden, logits = draft.forward_step(ids_k, hidden, position_ids + k, attention)  # [B, T, d], [B, T, V_d]
-        p = _shift_left(p_all, k + 1)  # [B, T, V_d] row t targets x_{t+k+2}
+        p = _shift_left(tgt.p, k + 1)  # [B, T, V_d] row t targets x_{t+k+2}
         lm = _shift_left(loss_mask, k) * _shift_left(has_target_all, k + 1)  # [B, T]
         if row_weight is not None:
             lm = lm * row_weight
-        pos_mask = lm * _shift_left(in_draft_all, k + 1)  # [B, T]
+        pos_mask = lm * _shift_left(tgt.in_draft, k + 1)  # [B, T]
 
         logq = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # [B, T, V_d]
         ce = -(p * logq).sum(-1)  # [B, T]
@@ -248,40 +234,63 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
         denom = denom_bt if normalization == "batch_tokens" else lm.sum().clamp_min(1.0)
         loss_k = loss_sum / denom
         total = weights[k] * loss_k if total is None else total + weights[k] * loss_k
-
-        with torch.no_grad():
-            # The draft's greedy token is the target's greedy token (impossible when the latter is outside
-            # the draft vocabulary). Judged independently of the loss mask, so that a chain crossing a
-            # masked token is still conditioned on what the draft actually predicted there.
-            match = (logq.argmax(-1) == _shift_left(target_arg_all, k + 1)) & (_shift_left(in_draft_all, k + 1) > 0)
-            count = lm.sum()
-            n_correct = (match.float() * lm).sum()  # == sum([argmax q == argmax p] * pos_mask)
-            cond_rows = (lm > 0) & prev_correct  # [B, T]
-            cond_count = cond_rows.sum().float()
-            cond_correct = (match & cond_rows).sum().float()
-            accept = torch.minimum(_shift_left(p_full_all, k + 1), logq.exp()).sum(-1)  # [B, T]
-            accept_sum = (accept * lm).sum()
-            prev_correct = prev_correct & match
-            per_step.append(dict(
-                loss=loss_k, loss_sum=loss_sum.detach(), loss_denom=denom.detach().float(),
-                acc=n_correct / count.clamp_min(1.0), correct=n_correct, count=count,
-                cond_acc=cond_correct / cond_count.clamp_min(1.0), cond_correct=cond_correct, cond_count=cond_count,
-                acceptance_rate=accept_sum / count.clamp_min(1.0), accept_sum=accept_sum,
-            ))
+        stats, prev_correct = _step_metrics(tgt, k, logq, lm, prev_correct)
+        per_step.append(dict(loss=loss_k, loss_sum=loss_sum.detach(), loss_denom=denom.detach().float(), **stats))
     return TTTOutput(loss=total, per_step=per_step, weights=weights)
 
 
-def simulated_tau(acc: Sequence[float], *, include_bonus: bool = True) -> float:
-    """Expected tokens per verify step of a greedy draft chain: ``1 + sum_k prod_{j<=k} acc_j``.
+def _check_inputs(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target_logits: torch.Tensor,
+                  loss_mask: torch.Tensor, normalization: str, ttt_length: int) -> None:
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got '{normalization}'")
+    if ttt_length < 1:
+        raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
+    B, T = input_ids.shape
+    if aux_hidden.shape[:2] != (B, T) or target_logits.shape[:2] != (B, T) or loss_mask.shape != (B, T):
+        raise ValueError(f"shape mismatch: input_ids {tuple(input_ids.shape)}, aux_hidden {tuple(aux_hidden.shape)}, "
+                         f"target_logits {tuple(target_logits.shape)}, loss_mask {tuple(loss_mask.shape)}")
+    if target_logits.shape[-1] != draft.t2d.numel():
+        raise ValueError(f"target_logits have V={target_logits.shape[-1]} but the draft's t2d has {draft.t2d.numel()}")
 
-    SpecForge's ``simulated_acc_len`` is the sum without the 1. Here the bonus token the target emits
-    every round is counted (``include_bonus=True``), so the value is on the same scale as Spec-Bench /
-    EAGLE τ (new tokens per verify step) and as ``DecodeStats`` of the engine. The product is exact when
-    ``acc`` are conditional accuracies (``cond_acc``); with EAGLE's unconditional ``acc`` it is
-    SpecForge's approximation.
-    """
-    tau, run = 0.0, 1.0
-    for a in acc:
-        run *= float(a)
-        tau += run
-    return tau + (1.0 if include_bonus else 0.0)
+
+@dataclass
+class _TargetSide:
+    """What every TTT step needs from the (unshifted) target logits ``z``, computed once without grad."""
+
+    p: torch.Tensor  # [B, T, V_d] softmax of z restricted to the draft vocabulary, renormalised
+    p_full: torch.Tensor  # [B, T, V_d] full-vocabulary softmax mass of the draft-vocabulary tokens
+    in_draft: torch.Tensor  # [B, T] 1 where the target's full-vocabulary argmax is a draft token
+    argmax: torch.Tensor  # [B, T] draft id of the target's draft-vocabulary argmax
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, draft, target_logits: torch.Tensor) -> _TargetSide:
+        z = target_logits.to(torch.promote_types(target_logits.dtype, torch.float32))  # [B, T, V]
+        draft_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)  # [V_d]
+        z_d = z.index_select(-1, draft_ids.to(z.device))  # [B, T, V_d]
+        lse_d = torch.logsumexp(z_d, dim=-1, keepdim=True)  # [B, T, 1]
+        return cls(p=torch.exp(z_d - lse_d), p_full=torch.exp(z_d - torch.logsumexp(z, dim=-1, keepdim=True)),
+                   in_draft=draft.t2d.to(z.device)[z.argmax(-1)].float(), argmax=z_d.argmax(-1))
+
+
+@torch.no_grad()
+def _step_metrics(tgt: _TargetSide, k: int, logq: torch.Tensor, lm: torch.Tensor, prev_correct: torch.Tensor
+                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Step k's accuracy counters (see ``TTTOutput``) and the rows whose steps 0..k were all correct."""
+    # The draft's greedy token is the target's greedy token (impossible when the latter is outside
+    # the draft vocabulary). Judged independently of the loss mask, so that a chain crossing a
+    # masked token is still conditioned on what the draft actually predicted there.
+    match = (logq.argmax(-1) == _shift_left(tgt.argmax, k + 1)) & (_shift_left(tgt.in_draft, k + 1) > 0)
+    count = lm.sum()
+    n_correct = (match.float() * lm).sum()  # == sum([argmax q == argmax p] * pos_mask)
+    cond_rows = (lm > 0) & prev_correct  # [B, T]
+    cond_count = cond_rows.sum().float()
+    cond_correct = (match & cond_rows).sum().float()
+    accept = torch.minimum(_shift_left(tgt.p_full, k + 1), logq.exp()).sum(-1)  # [B, T]
+    accept_sum = (accept * lm).sum()
+    stats = dict(
+        acc=n_correct / count.clamp_min(1.0), correct=n_correct, count=count,
+        cond_acc=cond_correct / cond_count.clamp_min(1.0), cond_correct=cond_correct, cond_count=cond_count,
+        acceptance_rate=accept_sum / count.clamp_min(1.0), accept_sum=accept_sum,
+    )
+    return stats, prev_correct & match

@@ -87,18 +87,7 @@ def llama_layer_fields(c: Eagle3Config) -> dict[str, Any]:
     ``head_dim`` is always explicit: speculators builds its rotary table from a copy of the config with
     ``hidden_size`` doubled, so a derived ``hidden_size / heads`` would come out twice too large.
     """
-    return {
-        "model_type": "llama",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "num_hidden_layers": c.num_layers,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-    }
+    return {"model_type": "llama", **c.layer.hf_fields(c.num_layers)}
 
 
 def native_layer_prefix(i: int) -> str:

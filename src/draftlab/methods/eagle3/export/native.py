@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from draftlab.methods.eagle3.config import Eagle3Config, rope_from_hf_config
+from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.methods.eagle3.export.common import (
     NATIVE_ARCHITECTURE,
     assemble_draft,
@@ -84,6 +84,7 @@ from draftlab.methods.eagle3.export.common import (
     write_hf_dir,
 )
 from draftlab.methods.eagle3.model import Eagle3Draft
+from draftlab.nn import rope_from_hf_config
 from draftlab.targets.base import LayerConvention, to_convention
 from draftlab.utils.logging import get_logger
 

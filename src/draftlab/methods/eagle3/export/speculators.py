@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from draftlab.methods.eagle3.config import Eagle3Config, rope_from_hf_config
+from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.methods.eagle3.export.common import (
     SPECULATORS_ARCHITECTURE,
     SPECULATORS_VERSION,
@@ -48,6 +48,7 @@ from draftlab.methods.eagle3.export.common import (
     write_hf_dir,
 )
 from draftlab.methods.eagle3.model import Eagle3Draft
+from draftlab.nn import rope_from_hf_config
 from draftlab.targets.base import LayerConvention, to_convention
 from draftlab.utils.logging import get_logger
 
