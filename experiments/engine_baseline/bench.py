@@ -30,8 +30,8 @@ import torch
 
 from draftlab.data.benchmarks import load_question_jsonl
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
-from draftlab.decoding.reference_drafters import PromptLookupDrafter
 from draftlab.decoding.tree import DraftTree, ancestor_mask
+from draftlab.methods.prompt_lookup import PromptLookupDrafter
 from draftlab.targets import load_target
 
 ROOT = Path(__file__).resolve().parents[2]

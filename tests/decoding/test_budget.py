@@ -13,7 +13,7 @@ from draftlab.decoding.cost import (
     measure_verify_cost,
     verify_cost,
 )
-from draftlab.decoding.tree import build_dynamic_tree
+from draftlab.decoding.dynamic_tree import build_dynamic_tree
 from tests.decoding.test_tree import FakeDrafter
 
 # ---- the verify cost curve ---------------------------------------------------------------------------

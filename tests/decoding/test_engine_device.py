@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
-from draftlab.decoding.reference_drafters import PromptLookupDrafter
+from draftlab.methods.prompt_lookup import PromptLookupDrafter
 
 
 def test_the_engines_generator_is_made_on_the_targets_device(tiny_target, monkeypatch):

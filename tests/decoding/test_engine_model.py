@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
-from draftlab.decoding.reference_drafters import OracleDrafter, PromptLookupDrafter
+from draftlab.decoding.reference_drafters import OracleDrafter
 from draftlab.decoding.tree import DraftTree, ancestor_mask, root_to_leaf_paths
+from draftlab.methods.prompt_lookup import PromptLookupDrafter
 
 
 def _tree_vs_paths(target, prompt, tree, atol):

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
-from draftlab.decoding.reference_drafters import OracleDrafter, PromptLookupDrafter
+from draftlab.decoding.reference_drafters import OracleDrafter
 from draftlab.decoding.sampling import logits_to_probs
 from draftlab.decoding.tree import DraftTree
+from draftlab.methods.prompt_lookup import PromptLookupDrafter
 from tests.decoding.test_engine_sampling import TableDrafter
 from tests.decoding.test_engine_stub import CYCLE, FixedDrafter
 from tests.stubs import TableTarget

@@ -5,11 +5,10 @@ import math
 import pytest
 import torch
 
+from draftlab.decoding.dynamic_tree import FrontierBatch, build_dynamic_tree
 from draftlab.decoding.tree import (
     DraftTree,
-    FrontierBatch,
     ancestor_mask,
-    build_dynamic_tree,
     children_lists,
     retrieve_indices,
     root_to_leaf_paths,

@@ -1,7 +1,7 @@
 from draftlab.data.benchmarks import Question
 from draftlab.decoding.engine import GenerationConfig
-from draftlab.decoding.reference_drafters import PromptLookupDrafter
 from draftlab.eval.answer import answer_question
+from draftlab.methods.prompt_lookup import PromptLookupDrafter
 
 
 def test_second_turn_sees_the_models_own_first_answer(tiny_target):

@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftlab.decoding.dynamic_tree import FrontierBatch, TopCandidates, _best_first, build_dynamic_tree
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
-from draftlab.decoding.tree import DraftTree, FrontierBatch, TopCandidates, _best_first, build_dynamic_tree
+from draftlab.decoding.tree import DraftTree
 from draftlab.methods.eagle3 import Eagle3Draft, Eagle3Drafter
 from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT, greedy
 from tests.methods.test_eagle3_drafter import trained  # noqa: F401  (the module-scoped trained draft)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
-from draftlab.decoding.reference_drafters import PromptLookupDrafter
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.eagle3 import Eagle3Draft
 from draftlab.methods.eagle3.drafter import Eagle3Drafter
 from draftlab.methods.hybrid import HybridDrafter, union_tree
+from draftlab.methods.prompt_lookup import PromptLookupDrafter
 from draftlab.methods.registry import MethodSpec
 from draftlab.methods.suffix import SuffixDrafter
 
@@ -147,7 +147,7 @@ def test_gating_reads_the_lookup_trees_expected_tokens():
 
 
 def test_trees_carry_the_drafters_path_probabilities(tiny_target):
-    from draftlab.decoding.tree import build_dynamic_tree
+    from draftlab.decoding.dynamic_tree import build_dynamic_tree
 
     torch.manual_seed(0)
     logits = torch.randn(4, 16)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from draftlab.decoding.cache import KVCache
-from draftlab.decoding.tree import TopCandidates
+from draftlab.decoding.dynamic_tree import TopCandidates
 from draftlab.methods.eagle3.model import CacheAttention, SideKeys
 
 

@@ -33,7 +33,8 @@ import torch
 from draftlab.decoding.budget import tree_budget
 from draftlab.decoding.cache import KVCache
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
-from draftlab.decoding.tree import DraftTree, FrontierBatch, TopCandidates, build_dynamic_tree
+from draftlab.decoding.dynamic_tree import FrontierBatch, TopCandidates, build_dynamic_tree
+from draftlab.decoding.tree import DraftTree
 from draftlab.methods.eagle3.draft_cache import DraftRows
 from draftlab.methods.eagle3.model import Eagle3Draft, SideKeys
 from draftlab.methods.placement import check_on_target_device
@@ -61,7 +62,7 @@ class Eagle3Drafter(Drafter):
 
     ``top_k`` is the branching factor and frontier width, ``depth`` the number of tree levels (``depth``
     calls of the expansion, ``depth - 1`` draft forwards per round), ``total_tokens`` the number of
-    draft nodes kept (the root excluded), as in ``decoding.tree.build_dynamic_tree``. Candidates are
+    draft nodes kept (the root excluded), as in ``decoding.dynamic_tree.build_dynamic_tree``. Candidates are
     chosen by top-k, so the trees are deterministic and sampling stays exact through the shared verifier.
 
     ``dtype`` (e.g. ``"bfloat16"``; None = the draft's own): the draft passes run in a copy of the draft
