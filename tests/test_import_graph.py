@@ -170,3 +170,5 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = _graph(top_level_only=True)
     assert "draftlab.decoding.drafter" in graph["draftlab.decoding.engine"]
+    # Every declared composition edge is real (so the method check sees imports, and the list stays exact).
+    assert ALLOWED_METHOD_EDGES <= {(m, dst) for m, dst, _ in _method_edges()}
