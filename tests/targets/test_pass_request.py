@@ -34,8 +34,8 @@ def test_request_taps_hidden_and_logit_rows_match_hf(tiny_target):
     # Layer 0 only: HF's last hidden state (layer 1's output) is taken after the final norm.
     out = t.forward(ids, request=PassRequest(aux=[0, 0], last_hidden=True, logits_rows=rows))
     tap = ref.hidden_states[to_hf_hidden_index(0, t.layer_convention)]  # [2, 9, d]
-    torch.testing.assert_close(out.aux_hidden, torch.cat([tap, tap], -1), rtol=0, atol=ATOL)
-    torch.testing.assert_close(out.last_hidden, ref.hidden_states[-1], rtol=0, atol=ATOL)
+    torch.testing.assert_close(out.aux_hidden, torch.cat([tap, tap], -1), rtol=1e-5, atol=ATOL)
+    torch.testing.assert_close(out.last_hidden, ref.hidden_states[-1], rtol=1e-5, atol=ATOL)
     torch.testing.assert_close(out.logits, ref.logits[:, rows], rtol=0, atol=ATOL)
     assert out.attn_mass is None
 
@@ -117,11 +117,11 @@ def test_verify_pass_with_pinned_rows_matches_rows_in_the_pass_and_hf(tiny_targe
             seq = torch.tensor([prefix[:-1] + path[::-1]])
             ref = _hf(t, seq)
             torch.testing.assert_close(vout.logits[0, i], ref.logits[0, -1], rtol=0, atol=ATOL)
-            torch.testing.assert_close(vout.aux_hidden[0, i, :d], ref.hidden_states[1][0, -1], rtol=0, atol=ATOL)
+            torch.testing.assert_close(vout.aux_hidden[0, i, :d], ref.hidden_states[1][0, -1], rtol=1e-5, atol=ATOL)
     (_, pinned_rows), (_, full_rows) = outs[True], outs[False]
     s = soft.shape[0]
-    for field in ("logits", "hidden", "aux"):
-        torch.testing.assert_close(getattr(pinned_rows, field), getattr(full_rows, field)[s:], rtol=0, atol=ATOL)
+    for field in ("logits", "hidden", "aux"):  # hidden states are ~10: a relative bound as well
+        torch.testing.assert_close(getattr(pinned_rows, field), getattr(full_rows, field)[s:], rtol=1e-5, atol=ATOL)
 
 
 def test_verify_pass_refuses_more_rows_than_reserved(tiny_target):
