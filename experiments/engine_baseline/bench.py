@@ -33,6 +33,7 @@ from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, 
 from draftlab.decoding.tree import DraftTree, ancestor_mask
 from draftlab.methods.prompt_lookup import PromptLookupDrafter
 from draftlab.targets import load_target
+from draftlab.targets.base import PassRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -219,9 +220,9 @@ def part_d(target, prompts, n, ks=(9, 31, 61), soft=16, reps=7):
             pm = torch.cat([torch.zeros(tree.size, extra.pinned.num_rows, dtype=torch.bool),
                             torch.ones(r, extra.pinned.num_rows, dtype=torch.bool)])
             kw = {"pinned": extra.pinned, "pinned_mask": pm}
-        return lambda: target.forward(None, pos, cache, mask, input_embeds=ids_emb, return_aux=True,
-                                      aux_layer_ids=draft.tapped_layers(target),
-                                      logits_rows=torch.arange(tree.size), **kw)
+        request = PassRequest(aux=draft.tapped_layers(target), input_embeds=ids_emb,
+                              logits_rows=torch.arange(tree.size), **kw)
+        return lambda: target.forward(None, pos, cache, mask, request)
 
     step = timed(reps, lambda: target.forward(torch.tensor([[prompt[-1]]]), cache=cache))
     rows = []
@@ -329,7 +330,7 @@ def part_e(target, prompts, n, vocab_sizes=(32000,), tree=(3, 3, 6), accepted=2,
     prompt = prompts[0]
     taps = drafts[0][1].tapped_layers(target)
     cache = target.new_cache(1, len(prompt) + 64)
-    pre = target.forward(torch.tensor([prompt]), cache=cache, return_aux=True, aux_layer_ids=taps)
+    pre = target.forward(torch.tensor([prompt]), cache=cache, request=PassRequest(aux=taps))
     cache.commit(len(prompt))
     past = cache.length
     aux = pre.aux_hidden[0]  # [P, 3*d]
@@ -370,8 +371,7 @@ def part_e(target, prompts, n, vocab_sizes=(32000,), tree=(3, 3, 6), accepted=2,
             mask = torch.cat([torch.ones(grown.size, past, dtype=torch.bool), ancestor_mask(grown.parents)], 1)
 
             def verify_pass(tree=grown, mask=mask):
-                out = target.forward(tree.tokens[None], past + tree.depth, cache, mask, return_aux=True,
-                                     aux_layer_ids=taps)
+                out = target.forward(tree.tokens[None], past + tree.depth, cache, mask, PassRequest(aux=taps))
                 verify(out.logits[0], tree, temperature=0.0)
 
             verify_s, nodes = timed(reps, verify_pass), grown.size

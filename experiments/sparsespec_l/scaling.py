@@ -23,6 +23,7 @@ from draftlab.decoding.cache import SparseView
 from draftlab.decoding.tree import DraftTree, ancestor_mask
 from draftlab.methods.sparsespec_l.selection import budget_slots, select_slots
 from draftlab.targets import load_target
+from draftlab.targets.base import PassRequest
 from draftlab.utils.atomic import atomic_write_text
 
 DOCS = Path(__file__).resolve().parents[2].parent / "shared/data/long_context/leval_16k40k.jsonl"
@@ -52,8 +53,8 @@ def measure(target, context: int, *, reps: int, budget: float, min_budget: int, 
     ids = text_tokens(target, context)
     cache = target.new_cache(1, context + 32)
     t0 = time.perf_counter()
-    out = target.forward(torch.tensor([ids]), cache=cache, attn_mass_rows=16,
-                         logits_rows=torch.tensor([context - 1]))
+    out = target.forward(torch.tensor([ids]), cache=cache,
+                         request=PassRequest(logits_rows=torch.tensor([context - 1]), attn_mass_rows=16))
     prefill_s = time.perf_counter() - t0
     cache.commit(context)
     keep = budget_slots(context, budget, min_budget)
@@ -73,7 +74,7 @@ def measure(target, context: int, *, reps: int, budget: float, min_budget: int, 
         tree = DraftTree.chain(ids[-1], ids[:n - 1])
         mask = torch.cat([torch.ones(n, context, dtype=torch.bool), ancestor_mask(tree.parents)], 1)
         x, p = tree.tokens[None], context + tree.depth
-        return lambda: target.forward(x, p, cache, mask, attn_mass_rows=16)
+        return lambda: target.forward(x, p, cache, mask, request=PassRequest(attn_mass_rows=16))
 
     kv_bytes = 2 * g.num_layers * g.num_kv_heads * g.head_dim * cache.k.element_size()  # per slot
     return {"context": context, "prefill_s": prefill_s, "budget_slots": keep,
