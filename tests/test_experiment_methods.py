@@ -8,21 +8,21 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from draftlab.methods.registry import CONF_DIR, MethodSpec, method_names
+from draftlab.methods.registry import MethodSpec, apply_ci, method_names
 from draftlab.utils.errors import ConfigError
 from tests.test_configs import _compose
 
 
 def _trainable() -> list[str]:
-    return [n for n in method_names() if OmegaConf.load(CONF_DIR / "method" / f"{n}.yaml").get("trainable")
-            or MethodSpec.from_name(n).trainable]
+    return [n for n in method_names() if MethodSpec.from_name(n).trainable]
 
 
 # The quickstart's shape on the 2-layer random target, sized to seconds: 4 original conversations (no
 # regeneration), two optimiser steps, one question of 8 tokens beside the quickstart's training-free baselines.
 TINY_RUN = ["target=tiny_random", "logger=csv", "regen.enabled=false", "data.sources.sharegpt.limit=4",
-            "data.max_length=256", "trainer.max_epochs=1", "trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.precision=32-true",
-            "bench.limit=1", "eval.max_new_tokens=8", "eval.warmup=0", "train.checkpoint_every_n_steps=0"]
+            "data.max_length=256", "trainer.max_epochs=1", "trainer.max_steps=2", "trainer.log_every_n_steps=1",
+            "trainer.precision=32-true", "bench.limit=1", "eval.max_new_tokens=8", "eval.warmup=0",
+            "train.checkpoint_every_n_steps=0"]
 
 
 @pytest.mark.parametrize("method", _trainable())
@@ -34,23 +34,11 @@ def test_quickstart_trains_and_evaluates_every_trainable_method(method, tmp_path
                     f"paths.artifacts={tmp_path / 'artifacts'}"], tmp_path)
     assert "method_overrides" not in cfg  # merged into `method`, the config records what ran
     spec = MethodSpec(cfg.method)
-    # The method's CPU-test knobs (small trees, short rollouts), as the conformance suite sizes it.
-    for node in (cfg.method, cfg.method.get("student")):
-        if node is not None:
-            for path, value in _leaves(node.get("ci")):
-                OmegaConf.update(node, path, value, merge=False)
+    apply_ci(cfg.method)  # the method's CPU-test knobs (small trees, short rollouts), as the conformance suite's
     record = run_pipeline(cfg, stage="train")
     assert record["train"]["reused"] is False and record["train"]["history"]
     assert record["eval"]["mismatches_vs_ar"] == 0 and record["eval"]["label"] == spec.label
     assert set(record["eval"]["baselines"]) == {"pld", "suffix"}
-
-
-def _leaves(node, prefix=""):
-    for key, value in (node or {}).items():
-        if OmegaConf.is_dict(value):
-            yield from _leaves(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
 
 
 def test_an_experiment_sets_only_the_selected_methods_knobs(tmp_path):

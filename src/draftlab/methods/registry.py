@@ -69,9 +69,7 @@ class MethodSpec:
         declares for CPU tests, so a test suite sizes every method without naming its settings."""
         spec = cls(compose_train_config([f"method={name}", f"target={target}", *overrides]).method)
         if ci:
-            for node in (spec.cfg, spec.cfg.get("student")):
-                if node is not None:
-                    _merge_settings(node, node.get("ci"))
+            apply_ci(spec.cfg)
         return spec
 
     # ---- identity ----------------------------------------------------------------------------------
@@ -245,6 +243,14 @@ class MethodSpec:
     def build_drafter(self, draft=None):
         factory = instantiate(self._block("drafter"))
         return factory(draft) if self.trainable else factory
+
+
+def apply_ci(method_cfg: DictConfig) -> None:
+    """Merge a method config's ``ci`` block (and its student's) into it, in place: the small knobs the method
+    declares for CPU tests."""
+    for node in (method_cfg, method_cfg.get("student")):
+        if node is not None:
+            _merge_settings(node, node.get("ci"))
 
 
 def _merge_settings(node: DictConfig, settings, prefix: str = "") -> None:
