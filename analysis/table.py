@@ -320,10 +320,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="draftlab-table",
         description="Regenerate ConFu-style Spec-Bench tables (tau / SR per column) from sweep directories.")
     p.add_argument("paths", nargs="+", type=Path, help="sweep or run directories, or record.json files")
-    p.add_argument("--layout", choices=LAYOUTS, default="table1",
+    p.add_argument("--layout", choices=(*LAYOUTS, "served"), default="table1",
                    help="table1: Method x Nodes x T (Tables 1-3); table4: ablation rows by label; "
                         "table6: rows by training (TTT) length, tau only; methods: Method x its own axes x T "
-                        "(methods with different knobs side by side)")
+                        "(methods with different knobs side by side); served: served vs draftlab tau per chain "
+                        "length (eval.engine=vllm|sglang runs; markdown only)")
     p.add_argument("--format", choices=("markdown", "latex", "both"), default="markdown")
     p.add_argument("--out", type=Path, help="output file; with --format both, FILE.md and FILE.tex")
     p.add_argument("--cell", choices=("split", "joint"), default="split",
@@ -362,6 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                        for r in load_records(path, baselines=args.baselines, label=name)]
         else:
             records = load_records(*args.paths, baselines=args.baselines)
+        if args.layout == "served":
+            return _write(args, [(".md", _served_markdown(records, args.precision))])
+        if records and all((r.eval or {}).get("served") and not r.columns for r in records):
+            raise TableError("these records hold served evaluations (eval.engine=vllm|sglang): use --layout served")
         table = build_table(records, args.layout, labels=args.labels, bench=args.bench, target=args.target,
                             nodes=args.nodes, temperatures=args.temperatures, duplicates=args.duplicates,
                             precision=args.precision)
@@ -373,6 +378,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         outputs.append((".md", render_markdown(table, cell=args.cell)))
     if args.format in ("latex", "both"):
         outputs.append((".tex", render_latex(table, cell=args.cell)))
+    return _write(args, outputs)
+
+
+def _served_markdown(records, precision: int) -> str:
+    from analysis.served_table import render_served_markdown
+
+    try:
+        return render_served_markdown(records, precision)
+    except ValueError as exc:
+        raise TableError(str(exc)) from exc
+
+
+def _write(args, outputs: list[tuple[str, str]]) -> int:
     if args.out is None:
         sys.stdout.write("\n".join(text for _, text in outputs))
         return 0

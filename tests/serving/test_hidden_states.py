@@ -118,3 +118,26 @@ def test_vllm_features_equal_the_hf_targets_at_fp32(smollm2, tmp_path):
             assert err <= 1e-4 * scale, f"sample {i} {key}: max |vllm - hf| {err:.3g} at scale {scale:.3g}"
     print(f"vLLM vs HF features, fp32: worst max-abs error / max-abs value = {worst:.2e}")
     assert Path(got / "complete.json").exists()
+
+
+def test_a_method_features_entry_can_name_the_vllm_store(tiny_target, tmp_path, monkeypatch):
+    """The method seam: ``method.features._target_`` swapped to the vLLM store, keyed apart from HF's."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from draftlab.data.features import offline_features
+
+    class Draft:
+        def tapped_layers(self, target):
+            return [0, 1]
+
+    calls = []
+    monkeypatch.setattr(hs, "run_engine", _fake_engine(tiny_target, calls))
+    block = OmegaConf.create({"_target_": "draftlab.serving.hidden_states.vllm_offline_features", "_partial_": True,
+                              "dtype": "float32", "python": "py", "model": "m"})
+    samples, key = _samples(3, seed=3), ("tiny", "data")
+    got = instantiate(block)(target=tiny_target, draft=Draft(), samples=samples, root=tmp_path, key=key)
+    ref = offline_features(target=tiny_target, draft=Draft(), samples=samples, root=tmp_path, key=key)
+    assert got != ref and got.parent == ref.parent and calls == [[0, 1, 2]]
+    torch.testing.assert_close(load_file(str(got / "0000001.safetensors"))["aux"],
+                               load_file(str(ref / "0000001.safetensors"))["aux"], rtol=1e-4, atol=1e-4)

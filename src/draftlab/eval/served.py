@@ -238,6 +238,8 @@ def served_evaluate(cfg: DictConfig, target, draft, draft_dir: Path | None, run_
                               ("identical_to_plain", r["identical_to_plain"]), ("parity_flagged", r["parity"]["flagged"]),
                               ("speedup", r["speed"]["served_speedup"]), ("draftlab_speedup", r["speed"]["draftlab_speedup"]))
                if v is not None}
+    from draftlab.methods.registry import trained_method_config
+
     record = {"bench": bench, "method": spec.name, "label": spec.label, "engine": engine, "temperature": 0.0,
-              "max_new_tokens": max_tokens, "served": recs}
+              "axes": spec.axes(trained_method_config(draft_dir)), "max_new_tokens": max_tokens, "served": recs}
     return record, metrics

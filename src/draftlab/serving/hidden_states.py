@@ -99,3 +99,24 @@ def vllm_feature_store(target, samples, root: str | Path, *, aux_layer_ids: Sequ
         os.replace(tmp, path)
     atomic_write_text(root / "complete.json", json.dumps({"num_samples": len(samples), "dtype": dtype, "engine": "vllm"}))
     return root
+
+
+def vllm_offline_features(*, target, draft, samples, root: str | Path, key: tuple, python: str,
+                          model: str | None = None, dtype: str = "float32", connector: str = "cpu", env: dict[str, str] | None = None,
+                          extra: Sequence[str] = ("--enforce-eager",)) -> Path:
+    """A method's ``features`` entry computed by vLLM (same arguments as ``data.features.offline_features``)::
+
+        method.features._target_=draftlab.serving.hidden_states.vllm_offline_features
+        +method.features.python=/path/to/vllm-venv/bin/python
+
+    The store's key is ``offline_features``' plus the engine: the two agree to fp32 rounding, not bit for bit,
+    so they never share a directory."""
+    from draftlab.data.features import feature_key
+
+    layers = draft.tapped_layers(target)
+    convention = getattr(target.layer_convention, "value", str(target.layer_convention))
+    target_id, data_key = key
+    fkey = feature_key({"target": target_id, "engine": "vllm"}, data_key, layers, convention, dtype, len(samples))
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return vllm_feature_store(target, samples, Path(root) / "features" / fkey, aux_layer_ids=layers, python=python,
+                              model=model, dtype=dtype, connector=connector, env=env, extra=extra)

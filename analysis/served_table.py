@@ -1,0 +1,57 @@
+"""``draftlab-table --layout served``: served τ beside draftlab's τ, one row per run and chain length.
+
+Reads the ``eval.served`` list a served evaluation records (``eval.engine=vllm|sglang``): per chain length k,
+τ of the engine's own counters and of draftlab's chain on the same prompts, the paired-bootstrap interval of
+their gap, outputs identical to the engine's plain decoding, and the two speed-ups measured side by side
+(served draft over served plain; draftlab chain over draftlab AR). Nothing is pooled: each row is one run's
+one chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from analysis.results import Record
+
+HEADERS = ("Method", "Setting", "Engine", "Prompts", "k", "served τ", "draftlab τ", "gap [95% CI]",
+           "= plain", "= draftlab", "served SR", "draftlab SR")
+
+
+def _served(r: Record) -> list[dict[str, Any]]:
+    served = (r.eval or {}).get("served")
+    if isinstance(served, dict):  # one chain, recorded before lists
+        served = [served]
+    return list(served or [])
+
+
+def _f(x: float | None, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def served_rows(records: Sequence[Record], precision: int = 2) -> list[list[str]]:
+    """The table's rows (records without a served evaluation are left out)."""
+    from analysis.table import setting_text
+
+    p = f".{precision}f"
+    rows = []
+    for r in records:
+        for s in sorted(_served(r), key=lambda s: s["num_speculative_tokens"]):
+            par, speed, n = s["parity"], s.get("speed") or {}, s["n_prompts"]
+            ci = "–" if par.get("ci") is None else (f"{par['gap']:+.{precision}f} [{par['ci'][0]:+.{precision}f}, "
+                                                    f"{par['ci'][1]:+.{precision}f}]" + (" GAP" if par["flagged"] else ""))
+            rows.append([r.label, setting_text(r), str(s.get("engine", "")), str(n), str(s["num_speculative_tokens"]),
+                         _f(s["served"]["tau"], p), _f(s["draftlab"]["tau"], p), ci, f"{s['identical_to_plain']}/{n}",
+                         f"{s['same_tokens_as_draftlab']}/{n}", _f(speed.get("served_speedup"), p),
+                         _f(speed.get("draftlab_speedup"), p)])
+    return rows
+
+
+def render_served_markdown(records: Sequence[Record], precision: int = 2) -> str:
+    rows = served_rows(records, precision)
+    if not rows:
+        raise ValueError("no served evaluation in these records (run with eval.engine=vllm or sglang)")
+    align = ["---" if i < 3 else "---:" for i in range(len(HEADERS))]
+    lines = ["| " + " | ".join(HEADERS) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
