@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tests.analysis.synthetic import make_record, write_sweep
 
 from analysis.table import main
+from tests.analysis.synthetic import make_record, write_sweep
 
 
 def _chain(k: int, served_tau: float, draftlab_tau: float, *, flagged: bool = False) -> dict:
