@@ -29,6 +29,12 @@ def _f(x: float | None, spec: str) -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _flag(par: dict[str, Any]) -> str:
+    """GAP: beyond noise; "end": beyond noise but all of it acceptances the engine counted past max_tokens."""
+    return ("" if not par["flagged"] else
+            f" end (+{par['last_round_excess']['tokens']} past max_tokens)" if par.get("last_round_excess") else " GAP")
+
+
 def served_rows(records: Sequence[Record], precision: int = 2) -> list[list[str]]:
     """The table's rows (records without a served evaluation are left out)."""
     from analysis.table import setting_text
@@ -39,7 +45,7 @@ def served_rows(records: Sequence[Record], precision: int = 2) -> list[list[str]
         for s in sorted(_served(r), key=lambda s: s["num_speculative_tokens"]):
             par, speed, n = s["parity"], s.get("speed") or {}, s["n_prompts"]
             ci = "–" if par.get("ci") is None else (f"{par['gap']:+.{precision}f} [{par['ci'][0]:+.{precision}f}, "
-                                                    f"{par['ci'][1]:+.{precision}f}]" + (" GAP" if par["flagged"] else ""))
+                                                    f"{par['ci'][1]:+.{precision}f}]" + _flag(par))
             rows.append([r.label, setting_text(r), str(s.get("engine", "")), str(n), str(s["num_speculative_tokens"]),
                          _f(s["served"]["tau"], p), _f(s["draftlab"]["tau"], p), ci, f"{s['identical_to_plain']}/{n}",
                          f"{s['same_tokens_as_draftlab']}/{n}", _f(speed.get("served_speedup"), p),

@@ -100,6 +100,27 @@ def test_speedups_are_aggregate_token_rates_side_by_side():
     assert len(lines) == 3 and lines[1].split()[0] == "2" and lines[2].split()[-2:] == ["1.00", "2.00"]
 
 
+def test_a_gap_from_acceptances_past_max_tokens_is_named_not_flagged_as_a_convention():
+    def ans(accepted, drafts=30):
+        return ServedAnswer(None, "", None, 1.0, 8.0, SpecCounters(float(drafts), 3.0 * drafts, float(accepted), ()), 8)
+
+    def run(accepted, n_tokens=8, drafts=30):
+        return ChainAnswer([], [0] * n_tokens, 8.0, SpecCounters(float(drafts), 3.0 * drafts, float(accepted), ()), 1.0)
+
+    # the engine counts one more accepted token in the last round of every prompt that hit the limit
+    spec, chain = [ans(a + 1) for a in (10, 12, 9, 11, 10, 13)], [run(a) for a in (10, 12, 9, 11, 10, 13)]
+    rec = compare(spec, spec, chain, k=3, resamples=200, max_tokens=8)
+    assert rec["parity"]["flagged"] and rec["parity"]["last_round_excess"] == {"prompts": 6, "tokens": 6}
+    text = format_served(rec)
+    assert "past max_tokens" in text and "aux layer ids" not in text
+    # not explained: a prompt that stopped early, more rounds on one side, or more than k extra
+    for bad_chain, bad_spec in (([run(a, n_tokens=5) for a in (10, 12, 9, 11, 10, 13)], spec),
+                                (chain, [ans(a + 1, drafts=31) for a in (10, 12, 9, 11, 10, 13)]),
+                                (chain, [ans(a + 4) for a in (10, 12, 9, 11, 10, 13)])):
+        other = compare(bad_spec, bad_spec, bad_chain, k=3, resamples=200, max_tokens=8)
+        assert other["parity"]["last_round_excess"] is None and "aux layer ids" in format_served(other)
+
+
 def _counters(rates: list[tuple[int, int]]) -> list[SpecCounters]:
     return [SpecCounters(float(d), 3.0 * d, float(a), ()) for a, d in rates]
 

@@ -224,7 +224,7 @@ def served_evaluate(cfg: DictConfig, target, draft, draft_dir: Path | None, run_
     recs = []
     for k, answers in served.items():
         chain = draftlab_chain(target, chain_drafter(cfg, draft, s["chains"][k]), prompts, k=k, max_tokens=max_tokens)
-        recs.append(compare(plain, answers, chain, k=k, stop_ids=set(target.eos_token_ids), ar=ar,
+        recs.append(compare(plain, answers, chain, k=k, stop_ids=set(target.eos_token_ids), ar=ar, max_tokens=max_tokens,
                             resamples=int(s["bootstrap"]), level=float(s["level"]))
                     | {"engine": engine, "bench": bench, "max_tokens": max_tokens, "chain": s["chains"][k],
                        "export": str(export_dir) if export_dir else None, "urls": s["urls"]})

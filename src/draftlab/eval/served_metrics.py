@@ -233,9 +233,28 @@ def speedups(plain: list[ServedAnswer], spec: list[ServedAnswer], chain: list[Ch
                   "draftlab_speedup": _ratio(out["draftlab_tps"], out["ar_tps"])}
 
 
+def last_round_excess(spec: list[ServedAnswer], chain: list[ChainAnswer], *, k: int,
+                      max_tokens: int | None) -> dict[str, int] | None:
+    """Whether every per-prompt difference is the engine counting the last round's acceptances past
+    ``max_tokens``: vLLM records a round's accepted drafts before the length limit cuts the output, draftlab
+    counts only tokens it keeps. Then the rounds agree, the engine has 1..k more accepted, and only on prompts
+    whose output reached ``max_tokens``. ``{prompts, tokens}`` when so, ``None`` when any difference is not."""
+    if max_tokens is None:
+        return None
+    prompts = tokens = 0
+    for a, c in zip(spec, chain):
+        extra = a.counters.accepted - c.counters.accepted
+        if extra == 0 and a.counters.drafts == c.counters.drafts:
+            continue
+        if a.counters.drafts != c.counters.drafts or not 0 < extra <= k or len(c.token_ids) < max_tokens:
+            return None
+        prompts, tokens = prompts + 1, tokens + int(extra)
+    return {"prompts": prompts, "tokens": tokens} if prompts else None
+
+
 def compare(plain: list[ServedAnswer], spec: list[ServedAnswer], chain: list[ChainAnswer], *, k: int,
             stop_ids: set[int] = frozenset(), resamples: int = 2000, level: float = 0.95,
-            ar: list[ChainAnswer] | None = None) -> dict[str, Any]:
+            ar: list[ChainAnswer] | None = None, max_tokens: int | None = None) -> dict[str, Any]:
     """The served-vs-draftlab record: τ and per-position acceptance of both sides, identical outputs, tok/s and
     speed-ups, the parity check."""
     def same(a: ServedAnswer, b: ServedAnswer) -> bool:
@@ -257,7 +276,7 @@ def compare(plain: list[ServedAnswer], spec: list[ServedAnswer], chain: list[Cha
         "same_prompt_ids": sum(a.prompt_token_ids == c.prompt_ids for a, c in zip(spec, chain)),
         "per_prompt": [{"served_tau": a.counters.tau, "draftlab_tau": c.counters.tau, "served_tps": a.tps,
                         "plain_tps": p.tps} for a, c, p in zip(spec, chain, plain)],
-        "parity": asdict(par),
+        "parity": asdict(par) | {"last_round_excess": last_round_excess(spec, chain, k=k, max_tokens=max_tokens)},
         "speed": speedups(plain, spec, chain, ar),
     }
 
@@ -277,13 +296,17 @@ def format_served(rec: dict[str, Any], engine: str = "vllm") -> str:
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     par = rec["parity"]
     ci = "-" if par["ci"] is None else f"[{par['ci'][0]:+.2f}, {par['ci'][1]:+.2f}]"
+    excess = par.get("last_round_excess")
     verdict = "GAP beyond noise: check the list below" if par["flagged"] else "no gap beyond noise"
+    if par["flagged"] and excess:
+        verdict = (f"a gap, all of it {excess['tokens']} token(s) accepted past max_tokens in the last round of "
+                   f"{excess['prompts']} prompt(s), which the engine counts and draftlab does not: no convention gap")
     text = [f"Served vs draftlab tau: {n} prompts, T=0, chain of {k}, batch 1",
             *lines,
             f"{engine} + draft outputs identical to {engine} plain: {rec['identical_to_plain']}/{n}; "
             f"same tokens as draftlab: {rec['same_tokens_as_draftlab']}/{n}; same prompt ids: {rec['same_prompt_ids']}/{n}",
             f"parity: tau_served - tau_draftlab = {_fmt(par['gap'], '+.3f')} {ci} ({par['test']}): {verdict}"]
-    if par["flagged"]:
+    if par["flagged"] and not excess:
         text += ["Likely causes to check (a hint from two numbers, not a diagnosis):",
                  *(f"  [ ] {c}" for c in CHECKLIST)]
     return "\n".join(text)
@@ -299,7 +322,7 @@ def format_chains(recs: list[dict[str, Any]], engine: str = "vllm") -> str:
         par, sp, n = r["parity"], r.get("speed") or {}, r["n_prompts"]
         ci = "-" if par["ci"] is None else f"{par['gap']:+.3f} [{par['ci'][0]:+.2f}, {par['ci'][1]:+.2f}]"
         rows.append([str(r["num_speculative_tokens"]), _fmt(r["served"]["tau"]), _fmt(r["draftlab"]["tau"]),
-                     ci + (" GAP" if par["flagged"] else ""), f"{r['identical_to_plain']}/{n}",
+                     ci + ((" end" if par.get("last_round_excess") else " GAP") if par["flagged"] else ""), f"{r['identical_to_plain']}/{n}",
                      f"{r['same_tokens_as_draftlab']}/{n}", _fmt(sp.get("served_speedup")),
                      _fmt(sp.get("draftlab_speedup"))])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
