@@ -56,6 +56,18 @@ def _tree_pass(target, tree: DraftTree, cache, request: PassRequest):
     return out, out.logits[0, :n], aux
 
 
+def _checked_positions(positions: list[int], prompt_len: int, T: int) -> list[int]:
+    """``positions`` sorted, refused when repeated or outside ``[prompt_len, T - 2]`` (a root needs a next token)."""
+    positions = sorted(int(p) for p in positions)
+    if len(set(positions)) != len(positions):
+        raise ValueError("positions must be distinct")
+    if positions and (positions[0] < prompt_len or positions[-1] > T - 2):
+        raise ValueError(f"positions must lie in [{prompt_len}, {T - 2}], got {positions[0]}..{positions[-1]}")
+    if prompt_len < 1:
+        raise ValueError("need a non-empty prompt")
+    return positions
+
+
 def rounds_at(target, drafter: Drafter, tokens: list[int], prompt_len: int, positions: list[int],
               cfg: GenerationConfig, *, generator: torch.Generator | None = None,
               trace_dtype: torch.dtype = torch.float32) -> list[RoundTrace]:
@@ -69,13 +81,7 @@ def rounds_at(target, drafter: Drafter, tokens: list[int], prompt_len: int, posi
                 tokens: only the part that agrees with the committed sequence is committed).
     """
     T = len(tokens)
-    positions = sorted(int(p) for p in positions)
-    if len(set(positions)) != len(positions):
-        raise ValueError("positions must be distinct")
-    if positions and (positions[0] < prompt_len or positions[-1] > T - 2):
-        raise ValueError(f"positions must lie in [{prompt_len}, {T - 2}], got {positions[0]}..{positions[-1]}")
-    if prompt_len < 1:
-        raise ValueError("need a non-empty prompt")
+    positions = _checked_positions(positions, prompt_len, T)
     if not positions:
         return []
     request = pass_request(target, drafter)
