@@ -203,6 +203,8 @@ def test_confu_keeps_its_future_token_and_draft_cache_beside_the_target(meta_tar
 # ---- host tensors made while drafting --------------------------------------------------------------------
 
 
+# Training-free lookups whose search runs on the host token list (the tree they return is what moves).
+HOST_SEARCH = {"prompt_lookup"}
 FACTORIES = ("tensor", "zeros", "ones", "full", "empty", "arange", "eye", "rand", "randn", "randint", "linspace")
 PROMPT = 2048
 
@@ -235,8 +237,9 @@ def test_no_drafter_makes_a_host_tensor_that_grows_with_the_context(tiny_target,
     # Host bookkeeping of a tree's size is fine (trees are built on the host and the engine moves them); a
     # host tensor the size of the context (EAGLE-3's tree attention mask, ConFu's prompt rows' future
     # mask) is copied to the target's device every round. Training-free lookups (prompt lookup, suffix
-    # tries) search the token list on the host by design and never meet the target's tensors: methods/
-    # drafters only.
+    # tries) search the token list on the host by design and never meet the target's tensors: left out.
+    if name in HOST_SEARCH:
+        pytest.skip(f"{name} searches the token list on the host by design; nothing it makes goes to the device")
     s = spec(name)
     drafter = s.build_drafter(s.build_draft(tiny_target, _vocab(s, tiny_target))) if s.trainable else s.build_drafter()
     prompt = ([5, 6, 7, 8, 9] * (PROMPT // 5 + 1))[:PROMPT]  # repetitive: the lookups find matches too

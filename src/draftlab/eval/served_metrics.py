@@ -158,14 +158,18 @@ def draftlab_chain(target, drafter, prompts: list[str], *, k: int, max_tokens: i
     from draftlab.decoding.engine import GenerationConfig, speculative_generate
 
     gen = GenerationConfig(max_new_tokens=max_tokens, temperature=0.0)
-    speculative_generate(target, target.tokenizer.encode("Hello"), drafter, GenerationConfig(max_new_tokens=8))
     out = []
-    for prompt in prompts:
-        ids = render_prompt(target.tokenizer, [{"role": "user", "content": prompt}])
-        tokens, stats = speculative_generate(target, ids, drafter, gen)
-        out.append(ChainAnswer(ids, list(tokens), stats.new_tokens / max(stats.wall_time, 1e-9),
-                               chain_counters(stats.accept_lengths, k) if drafter is not None else SpecCounters(),
-                               float(stats.wall_time)))
+    try:
+        speculative_generate(target, target.tokenizer.encode("Hello"), drafter, GenerationConfig(max_new_tokens=8))
+        for prompt in prompts:
+            ids = render_prompt(target.tokenizer, [{"role": "user", "content": prompt}])
+            tokens, stats = speculative_generate(target, ids, drafter, gen)
+            out.append(ChainAnswer(ids, list(tokens), stats.new_tokens / max(stats.wall_time, 1e-9),
+                                   chain_counters(stats.accept_lengths, k) if drafter is not None else SpecCounters(),
+                                   float(stats.wall_time)))
+    finally:
+        if drafter is not None:
+            drafter.close()  # the drafter is this function's: whatever it holds ends here
     return out
 
 
