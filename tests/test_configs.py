@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
-from draftlab.cli.prepare import prepare_config
+from draftlab.configs import prepare_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PRIMARY = "train"

@@ -106,7 +106,8 @@ def main() -> None:
 
     from hydra.utils import instantiate
 
-    from draftlab.methods.registry import MethodSpec, compose_train_config
+    from draftlab.configs import compose_train_config
+    from draftlab.methods.registry import MethodSpec
     from draftlab.stages.evaluate import generation_config
     from draftlab.utils.atomic import atomic_write_text
 

@@ -19,10 +19,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from draftlab.configs import compose_train_config
 from draftlab.data.vocab import build_vocab_mapping
 from draftlab.decoding.drafter import DecodeState
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
-from draftlab.methods.registry import MethodSpec, compose_train_config
+from draftlab.methods.registry import MethodSpec
 from draftlab.targets import load_target
 from tests.decoding.conformance.methods import METHODS, spec
 

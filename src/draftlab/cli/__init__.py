@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-
-def config_dir() -> str:
-    """``$DRAFTLAB_CONF`` or the checkout's ``conf/`` (draftlab is installed editable from its checkout)."""
-    env = os.environ.get("DRAFTLAB_CONF")
-    path = Path(env) if env else Path(__file__).resolve().parents[3] / "conf"
-    if not (path / "data_stage.yaml").exists():
-        raise FileNotFoundError(f"draftlab configs not found at {path}; set DRAFTLAB_CONF to the conf/ directory")
-    return str(path)
+from draftlab.configs import config_dir  # noqa: F401  (the entry points and users read it here)
 
 
 def report_user_errors(task):
-    """Wrap a Hydra task function: the config is prepared first (``cli.prepare.prepare_config``: the experiment's
+    """Wrap a Hydra task function: the config is prepared first (``configs.prepare_config``: the experiment's
     ``method_overrides`` for the selected method, retired forms refused); a ``UserError`` (and an unread
     appended setting, checked next) becomes
     ``error: <file>[:line]: <field>: <what>`` on stderr and exit code 2; ``DRAFTLAB_DEBUG=1`` re-raises
@@ -24,7 +16,7 @@ def report_user_errors(task):
     import functools
     import sys
 
-    from draftlab.cli.prepare import prepare_config
+    from draftlab.configs import prepare_config
     from draftlab.utils.errors import UserError
 
     @functools.wraps(task)

@@ -197,7 +197,7 @@ def _prompts(cfg: DictConfig, s: dict[str, Any], tokenizer) -> tuple[str, list[s
     return bench.name, [q.turns[0] for q in (questions if n is None else questions[: int(n)])]
 
 
-def served_evaluate(cfg: DictConfig, target, draft, draft_dir: Path | None, run_dir: Path
+def served_evaluate(cfg: DictConfig, target, draft, draft_dir: Path | None, run_dir: Path, spec=None
                     ) -> tuple[dict[str, Any], dict[str, float]]:
     """``eval.engine=vllm|sglang``: export the run's draft, serve it, compare with draftlab's chain of each length."""
     from draftlab.export import export_checkpoint
@@ -205,7 +205,7 @@ def served_evaluate(cfg: DictConfig, target, draft, draft_dir: Path | None, run_
     from draftlab.utils.atomic import atomic_write_text
 
     engine, s = check_engine(cfg), served_settings(cfg)
-    spec, plan = MethodSpec(cfg.method), serve_plan(cfg, engine)
+    spec, plan = spec or MethodSpec(cfg.method), serve_plan(cfg, engine)
     if draft is None or draft_dir is None:
         raise ConfigError(f"eval.engine={engine} serves a trained draft; method '{spec.name}' has none",
                           field="eval.engine")

@@ -41,7 +41,6 @@ from omegaconf import DictConfig, OmegaConf
 # Blocks that do not change the weights a training run produces (so they stay out of the training key).
 _NOT_IN_TRAIN_KEY = ("label", "drafter", "export", "artifact", "axes", "features", "ci")
 
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 
 _ABSENT = object()
@@ -67,6 +66,8 @@ class MethodSpec:
 
         ``ci``: with the method's ``ci`` block (and its student's) merged in: the small knobs the config
         declares for CPU tests, so a test suite sizes every method without naming its settings."""
+        from draftlab.configs import compose_train_config
+
         spec = cls(compose_train_config([f"method={name}", f"target={target}", *overrides]).method)
         if ci:
             apply_ci(spec.cfg)
@@ -299,22 +300,8 @@ def _trained_part(trained: dict[str, Any] | None, *, is_student: bool, wraps_stu
     return trained if "student" in trained else None
 
 
-def compose_train_config(overrides: list[str], config_name: str = "train") -> DictConfig:
-    """The real ``conf/`` composed with ``overrides`` (outside a Hydra app), prepared as the entry points
-    prepare theirs (``cli.prepare.prepare_config``)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from draftlab.cli.prepare import prepare_config
-
-    if GlobalHydra.instance().is_initialized():
-        cfg = compose(config_name=config_name, overrides=list(overrides))
-    else:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose(config_name=config_name, overrides=list(overrides))
-    return prepare_config(cfg, overrides=list(overrides))
-
-
 def method_names() -> list[str]:
     """Every method config shipped in ``conf/method/``."""
-    return sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
+    from draftlab.configs import config_dir
+
+    return sorted(p.stem for p in (Path(config_dir()) / "method").glob("*.yaml"))

@@ -51,30 +51,31 @@ def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
 
 
 def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None = None, draft=None,
-             draft_dir: Path | None = None) -> tuple[dict[str, Any], dict[str, float]]:
+             draft_dir: Path | None = None, spec: MethodSpec | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Run ``cfg.bench`` with ``drafter`` and the AR baseline; returns (eval record, flat metrics).
     ``draft``: the run's trained draft (None for a training-free method), for trainable baselines;
-    ``draft_dir``: its artifact, whose training config gives the axes on training settings.
+    ``draft_dir``: its artifact, whose training config gives the axes on training settings; ``spec``: the
+    run's method (built once by the pipeline; from ``cfg.method`` when the stage runs on its own).
 
     The stage owns ``drafter`` and the baselines' drafters it builds: all are closed (``Drafter.close``) when
     it returns, also when decoding raises."""
     from draftlab.eval.served import check_engine, served_evaluate
 
+    spec = spec or MethodSpec(cfg.method)
     with closing_all(drafter):
         if check_engine(cfg) != "draftlab":  # a serving engine: the run's draft exported, served, compared
-            return served_evaluate(cfg, target, draft, draft_dir, run_dir)
+            return served_evaluate(cfg, target, draft, draft_dir, run_dir, spec)
         with ExitStack() as stack:
-            others, bspecs = baseline_drafters(cfg, draft, stack)
-            return _evaluate_here(cfg, target, drafter, run_dir, loggers, draft_dir, others, bspecs)
+            others, bspecs = baseline_drafters(cfg, draft, stack, spec)
+            return _evaluate_here(cfg, target, drafter, run_dir, loggers, draft_dir, others, bspecs, spec)
 
 
 def _evaluate_here(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None, draft_dir: Path | None,
-                   others: dict[str, tuple[Any, GenerationConfig]], bspecs: dict[str, MethodSpec]
+                   others: dict[str, tuple[Any, GenerationConfig]], bspecs: dict[str, MethodSpec], spec: MethodSpec
                    ) -> tuple[dict[str, Any], dict[str, float]]:
     # ``evaluate`` with draftlab's own engine, the baselines built.
     from draftlab.eval.runner import format_comparison, format_table, run_benchmark
 
-    spec = MethodSpec(cfg.method)
     timing = eval_timing(cfg)
     bench = instantiate(cfg.bench, _convert_="object")
     questions = bench.load(tokenizer=target.tokenizer)
@@ -144,10 +145,10 @@ def _reference_scores(bench, questions, res) -> dict[str, dict[str, Any]]:
 
 
 
-def baseline_specs(cfg: DictConfig, *, has_draft: bool) -> dict[str, MethodSpec]:
+def baseline_specs(cfg: DictConfig, *, has_draft: bool, main: MethodSpec | None = None) -> dict[str, MethodSpec]:
     """``eval.baselines`` as (name -> MethodSpec), checked before anything decodes: a trainable baseline
-    needs the run to have a draft (``has_draft``) in the artifact format it reads."""
-    main = MethodSpec(cfg.method)
+    needs the run to have a draft (``has_draft``) in the artifact format the run's method (``main``) writes."""
+    main = main or MethodSpec(cfg.method)
     specs = {}
     for name, method_cfg in (cfg.eval.get("baselines") or {}).items():
         if method_cfg is None:  # a baseline switched off from the command line (eval.baselines.pld=null)
@@ -167,12 +168,12 @@ def baseline_specs(cfg: DictConfig, *, has_draft: bool) -> dict[str, MethodSpec]
     return specs
 
 
-def baseline_drafters(cfg: DictConfig, draft=None, stack: ExitStack | None = None
+def baseline_drafters(cfg: DictConfig, draft=None, stack: ExitStack | None = None, main: MethodSpec | None = None
                       ) -> tuple[dict[str, tuple[Any, GenerationConfig]], dict[str, MethodSpec]]:
     """``eval.baselines`` as (name -> (drafter, its GenerationConfig)), (name -> MethodSpec). A trainable
     baseline drafts from ``draft``, the run's trained draft. With ``stack`` each drafter is closed when the
     stack unwinds (those built before a failing one too); without it the caller closes them."""
-    specs = baseline_specs(cfg, has_draft=draft is not None)
+    specs = baseline_specs(cfg, has_draft=draft is not None, main=main)
     drafters = {}
     for name, bspec in specs.items():
         drafter = bspec.build_drafter(draft) if bspec.trainable else bspec.build_drafter()

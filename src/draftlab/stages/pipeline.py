@@ -83,7 +83,7 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | N
         eval_record = None
         if cfg.eval.enabled:
             eval_record, eval_metrics = evaluate(cfg, target, drafter, run_dir, loggers, draft=draft,
-                                                   draft_dir=draft_dir)
+                                                   draft_dir=draft_dir, spec=spec)
             metrics.update(eval_metrics)
         record = tracking.build_record(cfg, kind=stage, identity=identity, metrics=metrics, artifacts=artifacts,
                                        eval_result=eval_record, train=train_info, ctx=ctx, git=git, draft=draft_id)

@@ -18,11 +18,21 @@ would have it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from draftlab.utils.errors import ConfigError
+
+
+def config_dir() -> str:
+    """``$DRAFTLAB_CONF`` or the checkout's ``conf/`` (draftlab is installed editable from its checkout)."""
+    env = os.environ.get("DRAFTLAB_CONF")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "conf"
+    if not (path / "data_stage.yaml").exists():
+        raise FileNotFoundError(f"draftlab configs not found at {path}; set DRAFTLAB_CONF to the conf/ directory")
+    return str(path)
 
 
 def prepare_config(cfg: DictConfig, *, overrides: list[str] | None = None,
@@ -58,6 +68,20 @@ def prepare_config(cfg: DictConfig, *, overrides: list[str] | None = None,
     return cfg
 
 
+def compose_train_config(overrides: list[str], config_name: str = "train") -> DictConfig:
+    """The real ``conf/`` composed with ``overrides`` (outside a Hydra app), prepared as the entry points
+    prepare theirs (``configs.prepare_config``)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        cfg = compose(config_name=config_name, overrides=list(overrides))
+    else:
+        with initialize_config_dir(config_dir=config_dir(), version_base=None):
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+    return prepare_config(cfg, overrides=list(overrides))
+
+
 def _job_overrides(overrides: list[str] | None) -> tuple[list[str], str | None]:
     """The command-line overrides and the ``method`` group choice of the running Hydra job, where there is one."""
     from hydra.core.hydra_config import HydraConfig
@@ -75,8 +99,6 @@ def _method_name(cfg: DictConfig) -> str:
 
 
 def _method_config_names() -> set[str]:
-    from draftlab.cli import config_dir
-
     return {p.stem for p in (Path(config_dir()) / "method").glob("*.yaml")}
 
 
