@@ -12,7 +12,8 @@ multirun sweep being ``<sweep>/<job_num>/record.json``)::
      "eval": {"bench", "method", "label", "temperature",
               "axes": {"nodes": int, "ttt_length": int, ...},    # declared by conf/method/<m>.yaml
               "method_config": {...},                           # the resolved method config (drafter included)
-              "columns": {"WRIT": {"tau", "speedup", "n_questions", "method_tps", "baseline_tps"}, ..., "AVG": {...}},
+              "max_new_tokens": int, "timing": str,
+              "columns": {"WRIT": {"tau", "speedup", "n_questions", "method_tps", "ar_tps"}, ..., "AVG": {...}},
               "accept_lengths": {"1": count, ...}, "mismatches_vs_ar": int | null,
               "baselines": {name: {"method", "label", "axes", "columns", "categories", "accept_lengths",
                                    "mismatches_vs_ar"}}} | null,      # drafters run beside it (optional)
@@ -27,7 +28,9 @@ Each entry of ``eval.baselines`` answered the same questions in the same process
 run; :func:`load_records` returns it as a record of its own (:func:`baseline_records`), so tables hold
 those rows beside the method's. Only ``schema``, ``kind`` and ``run_name`` are required; every other key may be absent or null. When an
 eval record has no ``eval.columns``, the columns are rebuilt from the flat ``metrics`` keys
-``eval/<bench>/<column>/<name>`` (a column name may itself contain a slash, as ``M/R`` does).
+``eval/<bench>/<column>/<name>`` (a column name may itself contain a slash, as ``M/R`` does). The AR
+throughput of a cell is ``ar_tps``; records written before that name call it ``baseline_tps``, read here as
+``ar_tps`` (cells only ever hold the new name).
 """
 
 from __future__ import annotations
@@ -47,7 +50,13 @@ SCHEMA_PREFIX = "draftlab.record/"
 SCHEMA_VERSION = 1
 RECORD_FILE = "record.json"
 TABLE_COLUMNS: list[str] = [*CONFU_COLUMNS, "AVG"]
-CELL_KEYS = ("tau", "speedup", "n_questions", "method_tps", "baseline_tps")
+CELL_KEYS = ("tau", "speedup", "n_questions", "method_tps", "ar_tps")
+# Cell names older records used -> the name cells carry now.
+OLD_CELL_KEYS = {"baseline_tps": "ar_tps"}
+# Evaluation settings (``eval.<name>``, else the run config's ``eval.<name>`` / ``bench.<name>``) that change
+# what a row's τ and SR mean besides bench, target, temperature and the method's axes: tables key rows by them.
+EVAL_SETTINGS = (("max_new_tokens", "eval"), ("timing", "eval"), ("max_turns", "eval"), ("top_p", "eval"),
+                 ("top_k_sampling", "eval"), ("categories", "bench"), ("per_category", "bench"), ("limit", "bench"))
 
 
 class RecordError(ValueError):
@@ -137,9 +146,28 @@ class Record:
         return self.axes.get(name)
 
     @property
-    def draft_nodes(self) -> int | None:
+    def nodes(self) -> int | None:
         """Tree nodes per round (axis ``nodes``); None for methods without a tree budget."""
         return self.axis("nodes")
+
+    @property
+    def draft_nodes(self) -> int | None:
+        """The former name of :attr:`nodes`, still read by ``analysis/report.py``."""
+        return self.nodes
+
+    def eval_setting(self, name: str) -> Any:
+        """One of :data:`EVAL_SETTINGS`: the ``eval`` block's value, else the run config's (``None`` when
+        neither says); lists come back as tuples so that settings can key rows."""
+        section = dict(EVAL_SETTINGS)[name]
+        value = self.eval.get(name) if section == "eval" else None
+        if value is None:
+            value = ((self.data.get("config") or {}).get(section) or {}).get(name)
+        return tuple(value) if isinstance(value, list) else value
+
+    @property
+    def eval_settings(self) -> dict[str, Any]:
+        """Every :data:`EVAL_SETTINGS` entry of this record, in that order."""
+        return {name: self.eval_setting(name) for name, _ in EVAL_SETTINGS}
 
     @property
     def ttt_length(self) -> int | None:
@@ -151,9 +179,10 @@ class Record:
 
     @property
     def columns(self) -> dict[str, dict[str, Any]]:
-        """``{column: {"tau", "speedup", ...}}`` from ``eval.columns``, else rebuilt from ``metrics``."""
+        """``{column: {"tau", "speedup", ...}}`` from ``eval.columns``, else rebuilt from ``metrics``; an old
+        cell's ``baseline_tps`` is read as ``ar_tps``."""
         if self.eval.get("columns"):
-            return self.eval["columns"]
+            return {col: _renamed_cell(cell) for col, cell in self.eval["columns"].items()}
         return columns_from_metrics(self.metrics, self.bench)
 
     @property
@@ -196,8 +225,20 @@ class Record:
         return v if _is_number(v) else None
 
 
+def _renamed_cell(cell: dict) -> dict:
+    """``cell`` with its old names (:data:`OLD_CELL_KEYS`) under the new ones; a new name already there wins."""
+    if not any(old in cell for old in OLD_CELL_KEYS):
+        return cell
+    out = {k: v for k, v in cell.items() if k not in OLD_CELL_KEYS}
+    for old, new in OLD_CELL_KEYS.items():
+        if old in cell and out.get(new) is None:
+            out[new] = cell[old]
+    return out
+
+
 def columns_from_metrics(metrics: dict, bench: str | None = None) -> dict[str, dict[str, Any]]:
-    """Rebuild per-column cells from flat ``eval/<bench>/<column>/<name>`` metric keys."""
+    """Rebuild per-column cells from flat ``eval/<bench>/<column>/<name>`` metric keys (old cell names, as
+    ``baseline_tps``, read as the new ones)."""
     out: dict[str, dict[str, Any]] = {}
     for key, value in metrics.items():
         if not key.startswith("eval/"):
@@ -207,9 +248,9 @@ def columns_from_metrics(metrics: dict, bench: str | None = None) -> dict[str, d
         if not sep or (bench is not None and bench_name != bench):
             continue
         column, sep, name = rest.rpartition("/")
-        if sep and column and name in CELL_KEYS:
+        if sep and column and (name in CELL_KEYS or name in OLD_CELL_KEYS):
             out.setdefault(column, {})[name] = value
-    return out
+    return {col: _renamed_cell(cell) for col, cell in out.items()}
 
 
 def _check_record(data: dict, path: Path) -> None:
@@ -356,7 +397,7 @@ def load_records(*paths: str | Path, kind: str | None = None, baselines: bool = 
 
 def eval_answer_files(path: str | Path) -> tuple[dict, dict[str, str]]:
     """(the ``eval`` block, {name: answer file}) of the first evaluation record under ``path``: the run's
-    method, ``baseline`` (AR) and every ``eval.baselines`` drafter. A record copied out of its run
+    method, the AR run (``ar``; ``baseline`` in older records) and every ``eval.baselines`` drafter. A record copied out of its run
     (``experiments/*/records``) keeps its answers beside it in ``answers/``, where they are looked up when
     the recorded paths no longer exist."""
     records = [r for r in load_records(path, baselines=False) if r.data.get("eval")]
@@ -365,7 +406,7 @@ def eval_answer_files(path: str | Path) -> tuple[dict, dict[str, str]]:
     ev = records[0].data["eval"]
     files = dict(ev["answer_files"])
     for b in (ev.get("baselines") or {}).values():
-        files.update({k: v for k, v in b.get("answer_files", {}).items() if k != "baseline"})
+        files.update({k: v for k, v in b.get("answer_files", {}).items() if k not in ("ar", "baseline")})
     here = records[0].path.parent / "answers"
     return ev, {k: v if Path(v).exists() else str(here / Path(v).name) for k, v in files.items()}
 

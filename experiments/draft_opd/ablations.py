@@ -16,6 +16,8 @@ import csv
 import json
 from pathlib import Path
 
+from analysis.results import columns_from_metrics
+
 ARMS = {  # arm -> (label, what changed against the Draft-OPD arm)
     "sft": ("SFT (start)", "the supervised draft every arm starts from"),
     "sft_more": ("SFT continued", "supervised training instead, 5 min (first cell)"),
@@ -54,6 +56,8 @@ def main() -> None:
         if not ev_path.exists():
             continue
         m = json.loads(ev_path.read_text())["metrics"]
+        # AR tok/s: "ar_tps" in new records, "baseline_tps" in older ones; the reader takes either.
+        ar_tps = columns_from_metrics(m, "specbench")["AVG"]["ar_tps"]
         record = args.records / f"{arm}.json"
         train = (json.loads(record.read_text())["train"] if record.exists()
                  else json.loads((args.records / f"{arm}_train_summary.json").read_text()))
@@ -66,7 +70,7 @@ def main() -> None:
         curves[label] = taus
         trend = f"{taus[0]:.2f} → {taus[-1]:.2f} ({len(taus)} phases)" if taus else "-"
         lines.append(f"| {label} | {change} | {steps} | {trend} | {m['eval/specbench/AVG/tau']:.3f} | "
-                     f"{m['eval/specbench/AVG/speedup']:.3f} | {m['eval/specbench/AVG/baseline_tps']:.1f} | {gsm_tau} | "
+                     f"{m['eval/specbench/AVG/speedup']:.3f} | {ar_tps:.1f} | {gsm_tau} | "
                      f"{mismatches} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")

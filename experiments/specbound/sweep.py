@@ -11,7 +11,6 @@ AVG τ, one marker per point, labelled with its setting).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from categories import per_category  # noqa: E402
 
-from analysis.results import RecordError, eval_answer_files  # noqa: E402
+from analysis.results import RecordError, eval_answer_files, read_record  # noqa: E402
 from draftlab.eval.answers import load_answers  # noqa: E402
 
 AXES = ("alpha", "tau", "d_max", "w_max")
@@ -28,10 +27,11 @@ AXES = ("alpha", "tau", "d_max", "w_max")
 def point(run: Path) -> dict:
     """The settings and AVG numbers of one sweep point (a run directory holding one ``record.json``)."""
     ev, files = eval_answer_files(run)
-    base = {a["question_id"]: a for a in load_answers(files.pop("baseline"))}
+    ar_answers = files.pop("ar") if "ar" in files else files.pop("baseline")  # "baseline" in older records
+    base = {a["question_id"]: a for a in load_answers(ar_answers)}
     (name, path), = files.items()
     avg = per_category(load_answers(path), base)["AVG"]
-    ar = json.loads((run / "record.json").read_text())["metrics"]["eval/specbench/AVG/baseline_tps"]
+    ar = read_record(run / "record.json").value("AVG", "ar_tps")  # "baseline_tps" in older records, read as ar_tps
     return {**{k: ev["axes"].get(k) for k in AXES}, "tau_avg": avg["tau"], "sr": avg["sr"],
             "exit_layer": avg["exit_layer"], "ar_tps": ar, "mismatches": ev["mismatches_vs_ar"]}
 

@@ -44,7 +44,7 @@ def settings(records):
     """{(tree, nodes): record}, one record per setting (the last one read wins, with a warning)."""
     out = {}
     for r in records:
-        key = (str(r.axis("tree") or "fixed"), int(r.draft_nodes or 0))
+        key = (str(r.axis("tree") or "fixed"), int(r.nodes or 0))
         if key in out:
             print(f"warning: two records for tree={key[0]} nodes={key[1]}; keeping {r.run_dir}", file=sys.stderr)
         out[key] = r

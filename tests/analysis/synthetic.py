@@ -15,7 +15,7 @@ def columns(tau0: float, sr0: float, *, skip: tuple[str, ...] = (), override: di
         if col in skip:
             continue
         out[col] = {"tau": round(tau0 + 0.1 * j, 4), "speedup": round(sr0 + 0.05 * j, 4), "n_questions": 10,
-                    "method_tps": 100.0, "baseline_tps": 50.0}
+                    "method_tps": 100.0, "ar_tps": 50.0}
     for (col, key), value in (override or {}).items():
         out[col][key] = value
     return out
@@ -24,7 +24,10 @@ def columns(tau0: float, sr0: float, *, skip: tuple[str, ...] = (), override: di
 def make_record(*, label: str, nodes: int | None = 30, temperature: float = 0.0, ttt_length: int | None = None,
                 cols: dict | None = None, accept_lengths: dict | None = None, history: list | None = None,
                 kind: str = "eval", bench: str = "specbench", target: str = "smollm2_135m",
-                run_name: str | None = None) -> dict:
+                run_name: str | None = None, max_new_tokens: int | None = None, draft_sha256: str | None = None,
+                seed: int = 0) -> dict:
+    """One run's record; ``max_new_tokens`` goes in ``eval`` (unset when None), ``draft_sha256`` names the
+    evaluated draft's weights and ``seed`` the run config's seed (neither is a setting tables key rows by)."""
     method = {"EAGLE-3": "eagle3"}.get(label, "confu")
     ev = None
     if kind == "eval":
@@ -32,11 +35,14 @@ def make_record(*, label: str, nodes: int | None = 30, temperature: float = 0.0,
         ev = {"bench": bench, "method": method, "label": label, "temperature": temperature, "axes": axes,
               "columns": cols or {}, "accept_lengths": accept_lengths or {},
               "mismatches_vs_ar": 0 if temperature == 0 else None}
+        if max_new_tokens is not None:
+            ev["max_new_tokens"] = max_new_tokens
     return {
         "schema": "draftlab.record/1", "kind": kind, "run_name": run_name or f"{method}-n{nodes}-t{temperature}",
         "group": "test", "tags": [], "choices": {"method": method, "target": target, "bench": bench},
-        "overrides": [], "config": {}, "git": {"commit": "0" * 40, "dirty": False}, "hardware": {},
+        "overrides": [], "config": {"seed": seed}, "git": {"commit": "0" * 40, "dirty": False}, "hardware": {},
         "artifacts": {"draft": None, "data": None}, "metrics": {}, "eval": ev,
+        "draft": {"path": None, "sha256": draft_sha256, "step": None},
         "train": {"history": history, "best": {}} if history else None,
     }
 

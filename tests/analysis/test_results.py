@@ -86,7 +86,7 @@ def _write(tmp_path, rec):
 def test_group_records(main_sweep):
     with pytest.warns(RecordWarning):
         rs = load_records(main_sweep, kind="eval")
-    by_setting = group_records(rs, ["draft_nodes", "temperature"])
+    by_setting = group_records(rs, ["nodes", "temperature"])
     assert list(by_setting) == [(30, 0.0), (30, 0.7), (60, 0.0)]
     assert [r.label for r in by_setting[(30, 0.0)]] == ["EAGLE-3", "ConFu", "EAGLE-3"]
     assert list(group_records(rs, "choices.method")) == ["eagle3", "confu"]
@@ -104,12 +104,12 @@ def test_axes_come_from_the_record_and_old_records_still_read(tmp_path):
     new = make_record(label="PLD", nodes=None)
     new["eval"]["axes"] = {"draft_tokens": 8}
     rec = Record(path=tmp_path / "record.json", data=new)
-    assert rec.draft_nodes is None and rec.axis("draft_tokens") == 8  # a training-free row has no "Nodes"
+    assert rec.nodes is None and rec.axis("draft_tokens") == 8  # a training-free row has no "Nodes"
     old = make_record(label="EAGLE-3")
     old["eval"].pop("axes")
     old["eval"].update(draft_nodes=8, ttt_length=7)  # the pre-axes record layout
     rec = Record(path=tmp_path / "record.json", data=old)
-    assert (rec.draft_nodes, rec.ttt_length) == (8, 7)
+    assert (rec.nodes, rec.ttt_length) == (8, 7)
 
 
 def test_baselines_evaluated_beside_a_method_load_as_records_of_their_own(tmp_path):
@@ -125,7 +125,7 @@ def test_baselines_evaluated_beside_a_method_load_as_records_of_their_own(tmp_pa
     # The run's bench, temperature and identity; the baseline's own cells, axes and histogram.
     assert pld.temperature == 0.7 and pld.bench == "specbench" and pld.run_name == "grid-1/pld"
     assert pld.value("WRIT", "speedup") == 1.1 and main.value("WRIT", "speedup") == 0.9
-    assert pld.axes == {"draft_tokens": 8} and pld.draft_nodes is None and pld.accept_lengths == {1: 5, 3: 2}
+    assert pld.axes == {"draft_tokens": 8} and pld.nodes is None and pld.accept_lengths == {1: 5, 3: 2}
     assert pld.metrics == {} and hybrid.axes == {} and hybrid.value("AVG", "tau") == main.value("AVG", "tau") + 0.1
     assert [r.label for r in load_records(tmp_path, baselines=False)] == ["EAGLE-3"]
     rec["eval"]["baselines"]["bad"] = [1, 2]
@@ -141,3 +141,36 @@ def test_training_record_is_the_one_run_with_a_history(tmp_path):
     write_sweep(tmp_path / "two", [trained, trained])
     with pytest.raises(RecordError, match="expected one training record, found 2"):
         training_record(tmp_path / "two")
+
+
+def test_ar_throughput_reads_under_one_name_from_old_and_new_records(tmp_path):
+    """Cells carry the AR throughput as ``ar_tps``; records written before the rename say ``baseline_tps``,
+    in ``eval.columns`` or in the flat ``eval/<bench>/<col>/baseline_tps`` metrics."""
+    from analysis.results import CELL_KEYS, Record
+
+    assert "ar_tps" in CELL_KEYS and "baseline_tps" not in CELL_KEYS
+    new = make_record(label="EAGLE-3", cols=columns(2.0, 1.0, override={("AVG", "ar_tps"): 41.0}))
+    old = make_record(label="EAGLE-3", cols=columns(2.0, 1.0))
+    for cell in old["eval"]["columns"].values():
+        cell["baseline_tps"] = cell.pop("ar_tps") - 8.0
+    flat = make_record(label="EAGLE-3")
+    flat["metrics"] = {"eval/specbench/AVG/baseline_tps": 33.0, "eval/specbench/AVG/tau": 2.0,
+                       "eval/specbench/WRIT/baseline_tps": 30.0, "eval/specbench/WRIT/ar_tps": 31.0}
+    r_new, r_old, r_flat = (Record(path=tmp_path / "record.json", data=d) for d in (new, old, flat))
+    assert r_new.value("AVG", "ar_tps") == 41.0 and r_old.value("AVG", "ar_tps") == 42.0
+    assert r_flat.value("AVG", "ar_tps") == 33.0 and r_flat.value("WRIT", "ar_tps") == 31.0  # the new name wins
+    for r in (r_new, r_old, r_flat):
+        assert all("baseline_tps" not in cell for cell in r.columns.values())
+    assert old["eval"]["columns"]["AVG"]["baseline_tps"] == 42.0  # the record itself is left as read
+
+
+def test_eval_settings_come_from_the_eval_block_else_the_run_config(tmp_path):
+    from analysis.results import Record
+
+    rec = make_record(label="EAGLE-3", max_new_tokens=64)
+    rec["config"].update(eval={"max_new_tokens": 128, "timing": "decode", "max_turns": 1},
+                         bench={"categories": ["coding"], "per_category": 3, "limit": None})
+    r = Record(path=tmp_path / "record.json", data=rec)
+    assert r.eval_settings == {"max_new_tokens": 64, "timing": "decode", "max_turns": 1, "top_p": None,
+                               "top_k_sampling": None, "categories": ("coding",), "per_category": 3, "limit": None}
+    assert Record(path=tmp_path / "record.json", data=make_record(label="x")).eval_setting("timing") is None

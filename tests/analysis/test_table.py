@@ -53,24 +53,25 @@ def test_cells_bold_and_missing(main_sweep):
         records = load_records(main_sweep)
     table = build_table(records, "table1")
     rows = {tuple(r.keys): r for r in table.rows}
-    assert list(rows) == [("EAGLE-3", "30", "0.0"), ("ConFu", "30", "0.0"), ("EAGLE-3", "30", "0.7"),
-                          ("ConFu", "30", "0.7"), ("ConFu", "60", "0.0")]
-    eagle = rows[("EAGLE-3", "30", "0.0")]
+    # the last key column counts the runs each row pools (EAGLE-3 at (30, 0.0) was run twice)
+    assert list(rows) == [("EAGLE-3", "30", "0.0", "2"), ("ConFu", "30", "0.0", "1"), ("EAGLE-3", "30", "0.7", "1"),
+                          ("ConFu", "30", "0.7", "1"), ("ConFu", "60", "0.0", "1")]
+    eagle = rows[("EAGLE-3", "30", "0.0", "2")]
     assert eagle.n_runs == 2
     # the two runs' WRIT cells (2.9, 1.4) and (3.1, 1.6) average to (3.0, 1.5)
     assert eagle.values["WRIT"]["tau"] == pytest.approx(3.0) and eagle.values["WRIT"]["speedup"] == pytest.approx(1.5)
     md = render_markdown(table).splitlines()
-    assert md[0].startswith("| Method | Nodes | T | WRIT τ | WRIT SR | RP τ |") and md[0].endswith("AVG τ | AVG SR |")
+    assert md[0].startswith("| Method | Nodes | T | Runs | WRIT τ | WRIT SR | RP τ |") and md[0].endswith("AVG τ | AVG SR |")
     cells = {line.split(" | ")[0][2:] + "@" + line.split(" | ")[1] + "@" + line.split(" | ")[2]: line.split(" | ")
              for line in md[2:]}
     confu_07 = cells["ConFu@30@0.7"]
-    # RAG is column 10 -> τ/SR at fields 3 + 2*9 and 3 + 2*9 + 1
-    assert confu_07[3 + 18] == "–" and confu_07[3 + 19] == "–"
+    # RAG is column 10 -> τ/SR at fields 4 + 2*9 and 4 + 2*9 + 1 (after Method, Nodes, T, Runs)
+    assert confu_07[4 + 18] == "–" and confu_07[4 + 19] == "–"
     # CODE τ: EAGLE-3 pinned 5.5 beats ConFu's 3.6; WRIT τ: ConFu 3.40 beats 3.00
-    assert cells["EAGLE-3@30@0.0"][3 + 4] == "**5.50**" and cells["ConFu@30@0.0"][3 + 4] == "3.60"
-    assert cells["ConFu@30@0.0"][3] == "**3.40**" and cells["EAGLE-3@30@0.0"][3] == "3.00"
+    assert cells["EAGLE-3@30@0.0"][4 + 4] == "**5.50**" and cells["ConFu@30@0.0"][4 + 4] == "3.60"
+    assert cells["ConFu@30@0.0"][4] == "**3.40**" and cells["EAGLE-3@30@0.0"][4] == "3.00"
     # STEM τ tie at 3.20 in (30, 0.7): both bold
-    assert cells["EAGLE-3@30@0.7"][3 + 8] == "**3.20**" and confu_07[3 + 8] == "**3.20**"
+    assert cells["EAGLE-3@30@0.7"][4 + 8] == "**3.20**" and confu_07[4 + 8] == "**3.20**"
     # a setting with a single row bolds nothing
     assert "**" not in "".join(cells["ConFu@60@0.0"])
 
@@ -99,7 +100,9 @@ def test_errors(tmp_path, main_sweep, capsys):
 
     with pytest.warns(RecordWarning), pytest.raises(TableError, match="2 records for row"):
         build_table(load_records(main_sweep), duplicates="error")
-    with pytest.warns(RecordWarning), pytest.raises(TableError, match="one tree budget"):
+    # ConFu ran at 30 and 60 nodes: table4 has no Nodes column, so it refuses rather than average them
+    with pytest.warns(RecordWarning), pytest.raises(TableError, match=r"^table4 has no column for nodes \(records "
+                                                                      r"have 30, 60\): .*--nodes 60$"):
         build_table(load_records(main_sweep), "table4")
 
     broken = tmp_path / "broken" / "0"
@@ -132,8 +135,9 @@ def test_methods_layout_keeps_each_methods_own_axes(tmp_path, capsys):
     assert [r.split("|")[2].strip() for r in rows] == [
         "nodes=8", "block_size=4, draft_layers=2", "block_size=8, draft_layers=2", "block_size=16, draft_layers=2"]
     assert "1.20" in rows[2] and "1.10" in rows[1]  # WRIT τ of block 8 / block 4, unaveraged
-    merged = build_table(load_records(root, kind="eval"), "table1")
-    assert sum(r.keys[0] == "DFlash" for r in merged.rows) == 1  # why the layout exists
+    # why the layout exists: table1 has no column for the block size, so it refuses rather than average them
+    with pytest.raises(TableError, match=r"table1 has no column for block_size \(records have 4, 8, 16, unset\)"):
+        build_table(load_records(root, kind="eval"), "table1")
 
 
 def test_table_rows_include_the_baselines_a_run_evaluated(tmp_path, capsys):
