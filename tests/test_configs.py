@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
-from draftlab.configs import prepare_config
+from draftlab.configs import prepare_config, refuse_retired_overrides
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PRIMARY = "train"
@@ -30,6 +30,7 @@ def _options():
 
 def _compose(overrides, tmp_path, config_name: str = PRIMARY) -> DictConfig:
     GlobalHydra.instance().clear()
+    refuse_retired_overrides(overrides)  # as the entry points do before Hydra composes
     overrides = [*overrides, f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
@@ -52,7 +53,7 @@ def test_local_parallel_launcher_composes():
         cfg = compose(config_name=PRIMARY, overrides=["hydra/launcher=local_parallel", "experiment=eval_sweep"],
                       return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("JoblibLauncher") and cfg.hydra.launcher.n_jobs == 2
-    assert dict(cfg.hydra.sweeper.params) == {"method.drafter.total_tokens": "4,8", "eval.temperature": "0,0.7"}
+    assert dict(cfg.hydra.sweeper.params) == {"method.drafter.nodes": "4,8", "eval.temperature": "0,0.7"}
 
 
 def test_every_config_file_is_covered():

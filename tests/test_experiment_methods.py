@@ -43,13 +43,13 @@ def test_quickstart_trains_and_evaluates_every_trainable_method(method, tmp_path
 
 def test_an_experiment_sets_only_the_selected_methods_knobs(tmp_path):
     eagle3 = _compose(["experiment=quickstart", "method=eagle3"], tmp_path).method
-    assert eagle3.module.ttt_length == 2 and eagle3.draft_vocab_size == 4096 and eagle3.drafter.total_tokens == 6
+    assert eagle3.module.ttt_length == 2 and eagle3.draft_vocab_size == 4096 and eagle3.drafter.nodes == 6
     dflash = _compose(["experiment=quickstart", "method=dflash"], tmp_path).method
     assert "ttt_length" not in dflash.module and dflash.draft_vocab_size is None  # its own file's knobs ...
     assert dflash.data.val_fraction == 0.1  # ... and the quickstart's block for it
     # The command line (and a sweep's values) wins over the experiment's block.
     swept = _compose(["experiment=quickstart", "method=eagle3", "method.module.ttt_length=5"], tmp_path).method
-    assert swept.module.ttt_length == 5 and swept.drafter.total_tokens == 6
+    assert swept.module.ttt_length == 5 and swept.drafter.nodes == 6
 
 
 def test_a_knob_the_method_lacks_is_one_line_naming_it_and_the_method_file(tmp_path):

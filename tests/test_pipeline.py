@@ -39,10 +39,17 @@ def test_eval_training_free_method_writes_answers_and_record(tmp_path, monkeypat
     saved = json.loads((tmp_path / "record.json").read_text())
     assert saved["metrics"] == record["metrics"]
     method = load_answers(tmp_path / "answers" / "prompt_lookup.jsonl")
-    base = load_answers(tmp_path / "answers" / "baseline.jsonl")
+    base = load_answers(tmp_path / "answers" / "ar.jsonl")
     assert len(method) == len(base) == 2
     assert all(a["choices"][0]["accept_lengths"] == [1] * (sum(a["choices"][0]["new_tokens"]) - 1) for a in base)
-    assert "AVG" in (tmp_path / "eval_table.txt").read_text()
+    assert "AVG" in (tmp_path / "eval_table.txt").read_text() and "tau 95% CI" in (tmp_path / "eval_table.txt").read_text()
+    # Per question, what intervals and paired comparisons are computed from; AVG's interval holds its point.
+    rows = record["eval"]["questions"]
+    assert sorted(r["question_id"] for r in rows) == sorted(a["question_id"] for a in method)
+    assert sum(r["accepted"] for r in rows) == sum(sum(a["choices"][0]["accept_lengths"]) for a in method)
+    avg = record["eval"]["columns"]["AVG"]
+    assert avg["tau_ci"][0] <= avg["tau"] <= avg["tau_ci"][1]
+    assert record["metrics"][f"eval/{record['eval']['bench']}/AVG/tau_ci_lo"] == avg["tau_ci"][0]
     # MT-bench scores nothing against references, and times over wall clock by default.
     assert "scores" not in record["eval"] and record["eval"]["timing"] == "wall"
 
@@ -78,7 +85,7 @@ def test_eval_long_context_scores_the_needle_for_every_run(tmp_path, monkeypatch
     assert "eval/long_context/news_summ/speedup" in record["metrics"]
     table = (tmp_path / "eval_table.txt").read_text()
     assert "niah_16k" in table and "timing=decode" in table
-    answers = load_answers(tmp_path / "answers" / "baseline.jsonl")
+    answers = load_answers(tmp_path / "answers" / "ar.jsonl")
     assert all(0 < a["choices"][0]["prefill_time"][0] <= a["choices"][0]["wall_time"][0] for a in answers)
 
 
@@ -102,9 +109,9 @@ def test_eval_baselines_answer_the_same_questions_beside_the_method(tmp_path, mo
     baselines = record["eval"]["baselines"]
     assert set(baselines) == {"sfx", "pld3"} and baselines["sfx"]["label"] == "Suffix"
     assert all(b["mismatches_vs_ar"] == 0 for b in baselines.values())
-    # Scored against the one AR run: the baseline throughput of every column is the method's.
+    # Scored against the one AR run: the AR throughput of every column is the method's.
     for b in baselines.values():
-        assert b["columns"]["AVG"]["baseline_tps"] == record["eval"]["columns"]["AVG"]["baseline_tps"]
+        assert b["columns"]["AVG"]["ar_tps"] == record["eval"]["columns"]["AVG"]["ar_tps"]
     assert len(load_answers(tmp_path / "answers" / "sfx.jsonl")) == 2
     draft3 = load_answers(tmp_path / "answers" / "pld3.jsonl")
     assert max(max(a["choices"][0]["accept_lengths"]) for a in draft3) <= 4  # its own setting, 3 tokens + bonus
@@ -137,7 +144,7 @@ def test_a_trained_baseline_drafts_from_the_runs_draft(tmp_path, monkeypatch, sh
                                                                                 "module": {"ttt_length": 3}}}))
     record = run_pipeline(_cfg(tmp_path, "method=eagle3", f"draft_path={draft_dir}",
                                "+method@eval.baselines.hybrid=eagle3_suffix", "+method@eval.baselines.n2=eagle3",
-                               "eval.baselines.n2.drafter.total_tokens=2"), stage="eval")
+                               "eval.baselines.n2.drafter.nodes=2"), stage="eval")
     hybrid, n2 = record["eval"]["baselines"]["hybrid"], record["eval"]["baselines"]["n2"]
     assert hybrid["label"] == "EAGLE-3 + suffix" and hybrid["mismatches_vs_ar"] == 0 == n2["mismatches_vs_ar"]
     assert len(load_answers(tmp_path / "answers" / "hybrid.jsonl")) == 2
@@ -322,7 +329,7 @@ def test_tapped_layers_are_a_method_setting_outside_the_regeneration_key(tmp_pat
     from draftlab.methods.registry import MethodSpec
 
     draft = MethodSpec(moved.method).build_draft(first.target, first.vocab)
-    assert draft.tapped_layers(first.target) == [0, 1, 1]
+    assert draft.taps(first.target) == [0, 1, 1]
 
 
 def test_stages_and_decoding_name_no_method():

@@ -36,12 +36,12 @@ def sweep(tmp_path_factory, shared_data):
     tmp = tmp_path_factory.mktemp("sweep")
     first = tmp / "ttt_x_temp_x_nodes"
     _run(["-m", "draftlab.cli.train", "-m", "experiment=tiny", "method.module.ttt_length=1,2", "eval.temperature=0,0.7",
-          "method.drafter.total_tokens=4,8", f"hydra.sweep.dir={first}", f"paths.log_dir={tmp}", f"paths.artifacts={tmp / 'artifacts'}"], tmp, shared_data)
+          "method.drafter.nodes=4,8", f"hydra.sweep.dir={first}", f"paths.log_dir={tmp}", f"paths.artifacts={tmp / 'artifacts'}"], tmp, shared_data)
     return tmp, first
 
 
 # The sweep's three axes, as config paths, and the values the command line gives each.
-SWEPT = {"method.module.ttt_length": (1, 2), "eval.temperature": (0, 0.7), "method.drafter.total_tokens": (4, 8)}
+SWEPT = {"method.module.ttt_length": (1, 2), "eval.temperature": (0, 0.7), "method.drafter.nodes": (4, 8)}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -80,13 +80,13 @@ def test_every_job_trains_or_reuses_once_and_writes_a_record(sweep):
         assert r["git"]["commit"] and r["hardware"]["cpu_count"]
         e = r["eval"]
         # The job evaluated with its own settings ...
-        assert e["temperature"] == c["eval.temperature"] and e["axes"]["nodes"] == c["method.drafter.total_tokens"]
+        assert e["temperature"] == c["eval.temperature"] and e["axes"]["nodes"] == c["method.drafter.nodes"]
         assert e["axes"]["ttt_length"] == c["method.module.ttt_length"]
         # ... into its own answer files, from which its tau and accept-length histogram are recomputed: the
         # mean of the pooled per-round accept lengths (bonus included), as Spec-Bench's speed.py defines it.
         files = e["answer_files"]
         assert {Path(f).parent for f in files.values()} == {job / "answers"}
-        method, base = _answers(files["eagle3"]), _answers(files["baseline"])
+        method, base = _answers(files["eagle3"]), _answers(files["ar"])
         lengths = [a for ans in method for a in ans["choices"][0]["accept_lengths"]]
         assert e["columns"]["AVG"]["tau"] == pytest.approx(sum(lengths) / len(lengths), rel=1e-12)
         assert e["accept_lengths"] == {str(k): v for k, v in sorted(Counter(lengths).items())}
@@ -122,7 +122,7 @@ def test_each_job_is_its_own_wandb_run_grouped_by_sweep(sweep):
 def test_second_eval_sweep_trains_nothing_and_table_regenerates(sweep, shared_data):
     tmp, first = sweep
     second = tmp / "nodes6"
-    proc = _run(["-m", "draftlab.cli.train", "-m", "experiment=tiny", "method.module.ttt_length=1,2", "method.drafter.total_tokens=6",
+    proc = _run(["-m", "draftlab.cli.train", "-m", "experiment=tiny", "method.module.ttt_length=1,2", "method.drafter.nodes=6",
                  f"hydra.sweep.dir={second}", f"paths.log_dir={tmp}", f"paths.artifacts={tmp / 'artifacts'}"], tmp, shared_data)
     records = _records(second)
     assert len(records) == 2 and all(r["train"]["reused"] for r in records)

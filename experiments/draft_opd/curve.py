@@ -26,8 +26,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-DEFAULTS = ["experiment=quickstart", "method=eagle3", "method.drafter.tree=fixed", "method.drafter.total_tokens=6",
-            "method.drafter.depth=3", "method.drafter.top_k=3", "bench=specbench", "bench.per_category=1",
+DEFAULTS = ["experiment=quickstart", "method=eagle3", "method.drafter.tree=fixed", "method.drafter.nodes=6",
+            "method.drafter.depth=3", "method.drafter.branching=3", "bench=specbench", "bench.per_category=1",
             "eval.max_new_tokens=96", "eval.temperature=0.0"]
 
 
@@ -83,7 +83,7 @@ def draft_at(start, path: Path):
 
 def measure_tau(target, drafter, questions, gen) -> dict:
     """New tokens and verify rounds of ``drafter`` over ``questions`` (every turn)."""
-    from draftlab.eval.answer import answer_question
+    from draftlab.eval.turns import answer_question
 
     tokens = rounds = 0
     for q in tqdm(questions, desc="held-out questions", unit="question", leave=False):

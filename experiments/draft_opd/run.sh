@@ -11,7 +11,7 @@ BUDGET=$(printf "00:00:%02d:00" "$MIN")
 mkdir -p "$OUT"
 record() { python -c "import json,sys; print(json.load(open(sys.argv[1]))['artifacts']['draft'])" "$1/record.json"; }
 # Decoding settings shared by rollouts and evaluation: the quickstart's small fixed tree (6 nodes, depth 3).
-TREE=(method.drafter.tree=fixed method.drafter.total_tokens=6 method.drafter.depth=3 method.drafter.top_k=3)
+TREE=(method.drafter.tree=fixed method.drafter.nodes=6 method.drafter.depth=3 method.drafter.branching=3)
 
 # fp32 throughout: on an AVX2-only CPU (no native bf16) the quickstart's bf16 autocast ran ~10x slower.
 FP32=(trainer.precision=32-true)
@@ -24,7 +24,7 @@ BASE=$(record "$OUT/sft")
 # 2. Draft-OPD for $MIN minutes: GSM8K-train + ShareGPT prompts, 96-token rollouts at T=0 with the same
 #    tree it is evaluated with; 8 replay steps of 4 rollouts per phase of 4 prompts.
 [ -f "$OUT/opd/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init.from="$BASE" \
-    "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
+    "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.nodes=6 \
     method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
     method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" "${FP32[@]}" \
     eval.enabled=false logger=csv hydra.run.dir="$OUT/opd"
@@ -46,7 +46,7 @@ declare -A ABL=([seed1]=seed=1 [nodecay]=method.module.objective.gamma=1.0 [forw
                 [random_rounds_steps]="method.module.anchors=random_rounds trainer.max_steps=${OPD_STEPS:-33} +method.module.total_steps=1504 trainer.max_time=00:01:00:00")
 for arm in ${ABLATIONS-$ALL_ABLATIONS}; do
   [ -f "$OUT/opd_$arm/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init.from="$BASE" \
-      "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
+      "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.nodes=6 \
       method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
       method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" "${FP32[@]}" \
       ${ABL[$arm]} eval.enabled=false logger=csv hydra.run.dir="$OUT/opd_$arm"  # unquoted: one or more overrides
@@ -89,7 +89,7 @@ CKPT=(callbacks.model_checkpoint.save_top_k=-1 +callbacks.model_checkpoint.train
       +callbacks.model_checkpoint.train_time_interval.minutes="${CURVE_EVERY:-5}")
 if [ ! -f "$OUT/curve_opd/record.json" ] || [ ! -f "$OUT/curve_sft/record.json" ]; then
   OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_smollm2 init.from="$BASE" \
-      "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.total_tokens=6 \
+      "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.nodes=6 \
       method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
       method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$CBUDGET" "${FP32[@]}" \
       "${CKPT[@]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/curve_opd" & P1=$!
@@ -147,7 +147,7 @@ if [ -n "${RECIPE:-}" ]; then
   RBUDGET=$(printf "00:00:%02d:00" "$RMIN")
   RPER=${RECIPE_PER_CATEGORY:-3}
   LR=(method.module.optimizer.lr=1e-4 method.module.schedule.warmup_ratio=0 method.module.schedule.min_ratio=1.0)
-  RTREE=(method.drafter.tree=fixed method.drafter.total_tokens=8 method.drafter.depth=4 method.drafter.top_k=4)
+  RTREE=(method.drafter.tree=fixed method.drafter.nodes=8 method.drafter.depth=4 method.drafter.branching=4)
   RCKPT=(callbacks.model_checkpoint.save_top_k=-1 +callbacks.model_checkpoint.train_time_interval._target_=datetime.timedelta
          +callbacks.model_checkpoint.train_time_interval.minutes="${RECIPE_EVERY:-15}")
   R="$OUT/recipe_${RMIN}min"
@@ -170,7 +170,7 @@ if [ -n "${RECIPE:-}" ]; then
       "${NOBASE[@]}" logger=csv hydra.run.dir="$R/gsm8k_$1"; }
   curve() { OMP_NUM_THREADS=1 python experiments/draft_opd/curve.py --start "$RBASE" "$R/sft_more" "$R/opd" \
       --name "SFT continued" --name "Draft-OPD" --out experiments/draft_opd/curve_recipe \
-      --override method.drafter.total_tokens=8 --override method.drafter.depth=4 --override method.drafter.top_k=4 \
+      --override method.drafter.nodes=8 --override method.drafter.depth=4 --override method.drafter.branching=4 \
       --override eval.max_new_tokens=128; }
   (spec opd && spec start && gsm opd && gsm start) & P1=$!
   (spec sft_more && curve && gsm sft_more) & P2=$!

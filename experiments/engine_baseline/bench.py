@@ -220,7 +220,7 @@ def part_d(target, prompts, n, ks=(9, 31, 61), soft=16, reps=7):
             pm = torch.cat([torch.zeros(tree.size, extra.pinned.num_rows, dtype=torch.bool),
                             torch.ones(r, extra.pinned.num_rows, dtype=torch.bool)])
             kw = {"pinned": extra.pinned, "pinned_mask": pm}
-        request = PassRequest(aux=draft.tapped_layers(target), input_embeds=ids_emb,
+        request = PassRequest(aux=draft.taps(target), input_embeds=ids_emb,
                               logits_rows=torch.arange(tree.size), **kw)
         return lambda: target.forward(None, pos, cache, mask, request)
 
@@ -242,7 +242,7 @@ def part_d(target, prompts, n, ks=(9, 31, 61), soft=16, reps=7):
     cfg = GenerationConfig(max_new_tokens=n, stop_on_eos=False)
     outs = {}
     for cached in (False, True, False, True):  # interleaved, twice
-        drafter = ConFuDrafter(draft, top_k=10, depth=5, total_tokens=30, cache_soft_prompts=cached)
+        drafter = ConFuDrafter(draft, branching=10, depth=5, nodes=30, cache_soft_prompts=cached)
         for p in prompts:
             out, st = speculative_generate(target, p, drafter, cfg)
             outs.setdefault((cached, tuple(p)), out)
@@ -322,13 +322,13 @@ def part_e(target, prompts, n, vocab_sizes=(32000,), tree=(3, 3, 6), accepted=2,
     variants = variants or [("reference fp32", {"full_vocab": True}), ("draft-vocab fp32", {}),
                             ("draft-vocab bf16 head", {"head_dtype": "bfloat16"}),
                             ("draft-vocab bf16", {"dtype": "bfloat16"})]
-    make = {name: (lambda d, kw=kw: Eagle3Drafter(d, top_k=top_k, depth=depth, total_tokens=total, **kw))
+    make = {name: (lambda d, kw=kw: Eagle3Drafter(d, branching=top_k, depth=depth, nodes=total, **kw))
             for name, kw in variants}
     if baseline_src:  # the old code itself, first in every comparison
-        old = baseline_eagle3_drafter(baseline_src)
+        old = baseline_eagle3_drafter(baseline_src)  # the old code's keyword names
         make = {"baseline code fp32": lambda d: old(d, top_k=top_k, depth=depth, total_tokens=total), **make}
     prompt = prompts[0]
-    taps = drafts[0][1].tapped_layers(target)
+    taps = drafts[0][1].taps(target)
     cache = target.new_cache(1, len(prompt) + 64)
     pre = target.forward(torch.tensor([prompt]), cache=cache, request=PassRequest(aux=taps))
     cache.commit(len(prompt))

@@ -59,7 +59,7 @@ def main() -> None:
     except RecordError as e:
         raise SystemExit(str(e)) from None
     labels = {ev["method"]: ev["label"]} | {n: b["label"] for n, b in (ev.get("baselines") or {}).items()}
-    base_answers = load_answers(files.pop("baseline"))
+    base_answers = load_answers(files.pop("ar") if "ar" in files else files.pop("baseline"))
     base = {x["question_id"]: x for x in base_answers}
     scores = ev.get("scores") or {}
     rows = {name: summarise(load_answers(path), base, scores.get(name)) for name, path in files.items()}

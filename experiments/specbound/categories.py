@@ -46,7 +46,7 @@ def main() -> None:
         _, files = eval_answer_files(args.run)
     except RecordError as e:
         raise SystemExit(str(e)) from None
-    base = {a["question_id"]: a for a in load_answers(files.pop("baseline"))}
+    base = {a["question_id"]: a for a in load_answers(files.pop("ar") if "ar" in files else files.pop("baseline"))}
     tables = {name: per_category(load_answers(path), base) for name, path in files.items()}
     cats = list(next(iter(tables.values())))
     lines = ["SR / τ / mean exit layer of the drafted tokens, per Spec-Bench category (T = 0, AR on the same "

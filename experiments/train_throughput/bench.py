@@ -79,7 +79,7 @@ def main() -> None:
     torch.manual_seed(0)
     mapping = build_vocab_mapping(token_frequencies(samples, target.geometry.vocab_size), 8192)
     probe = Eagle3Draft.from_target(target, vocab_mapping=mapping)
-    taps = probe.tapped_layers(target)
+    taps = probe.taps(target)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         with torch.no_grad():

@@ -5,7 +5,7 @@ experiment that needs other values for some methods writes them in ``method_over
 method name::
 
     method_overrides:
-      eagle3: {module: {ttt_length: 2}, drafter: {total_tokens: 6}}
+      eagle3: {module: {ttt_length: 2}, drafter: {nodes: 6}}
       dflash: {data: {val_fraction: 0.1}}
 
 :func:`prepare_config` merges the block of the selected method (``method.name``) into ``method`` and drops
@@ -74,6 +74,7 @@ def compose_train_config(overrides: list[str], config_name: str = "train") -> Di
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    refuse_retired_overrides(list(overrides))
     if GlobalHydra.instance().is_initialized():
         cfg = compose(config_name=config_name, overrides=list(overrides))
     else:
@@ -160,10 +161,54 @@ def _route_init(cfg: DictConfig, method_file: str) -> None:
     OmegaConf.update(cfg, f"{owner}.draft.init.from", "${init.from}", merge=False, force_add=True)
 
 
+# Settings renamed so that each concept has one name (README "Glossary"): (pattern of the dotted setting,
+# what to write instead). A retired spelling is refused with one line naming the new one, wherever it appears:
+# on the command line, in an experiment file or in a method_overrides block.
+RETIRED: tuple[tuple[str, str], ...] = (
+    (r"(^|\.)(drafter|rollout_drafter|chain)\.total_tokens$", "a tree's size is 'nodes' (drafter.nodes)"),
+    (r"(^|\.)(drafter|rollout_drafter|chain)\.top_k$", "a tree's width is 'branching' (drafter.branching); top_k is sampling only"),
+    (r"^eval\.top_k_sampling$", "sampling top-k is eval.top_k"),
+    (r"^eval\.others$", "comparison drafters are eval.baselines"),
+    (r"^init_draft$|(^|\.)draft\.init_from$", "start from a trained draft with init.from=DIR"),
+)
+
+
+def refuse_retired(key: str) -> None:
+    """``ConfigError`` naming the new spelling when the dotted setting ``key`` is a retired one."""
+    import re
+
+    for pattern, instead in RETIRED:
+        if re.search(pattern, key):
+            raise ConfigError(f"retired spelling: {instead}", field=key)
+
+
+def refuse_retired_overrides(overrides: list[str]) -> None:
+    """:func:`refuse_retired` for command-line overrides (``key=value``, ``+key=value``, ``~key``), checked before
+    Hydra composes them: a setting the configs no longer declare would otherwise fail as "not in struct"."""
+    for text in overrides:
+        if text.startswith("-") or ("=" not in text and not text.startswith("~")):
+            continue  # a flag (-m, --cfg job) or a bare argument
+        refuse_retired(_override_key(text).split("@", 1)[0])
+
+
+def _setting_paths(node, prefix: str = ""):
+    """Every dotted setting path of a config (mappings descended, interpolations left unresolved); the
+    ``method_overrides`` blocks are reported as the ``method.*`` paths they set."""
+    if not OmegaConf.is_dict(node):
+        return
+    for key, value in node.items_ex(resolve=False):
+        path = f"{prefix}{key}"
+        if not prefix and key == "method_overrides" and OmegaConf.is_dict(value):
+            for block in value.values():
+                yield from _setting_paths(block, "method.")
+            continue
+        yield path
+        yield from _setting_paths(value, path + ".")
+
+
 def _refuse_old_forms(cfg: DictConfig) -> None:
-    for path in ("init_draft", "method.draft.init_from"):
-        if OmegaConf.select(cfg, path, default=None, throw_on_missing=False) is not None:
-            raise ConfigError("retired spelling: start from a trained draft with init.from=DIR", field=path)
+    for path in _setting_paths(cfg):
+        refuse_retired(path)
     sources = OmegaConf.select(cfg, "data.sources", default=None, throw_on_missing=False)
     if OmegaConf.is_list(sources):
         raise ConfigError("is a list; sources are a mapping keyed by name now: data.sources.<name>: {path, format, "

@@ -167,13 +167,13 @@ def _kept(tree):
 
 @pytest.mark.parametrize("per_row", [0.0, 0.004, 0.02, 0.08, 1.0])
 def test_auto_tree_is_the_best_first_prefix_of_the_fixed_tree(per_row):
-    fixed = build_dynamic_tree(0, FakeDrafter(), top_k=2, depth=3, total_tokens=10)
+    fixed = build_dynamic_tree(0, FakeDrafter(), branching=2, depth=3, nodes=10)
     budget = TreeBudget(VerifyCost.linear(0.05, per_row), level_seconds=0.0)
-    auto = build_dynamic_tree(0, FakeDrafter(), top_k=2, depth=3, total_tokens=10, budget=budget)
+    auto = build_dynamic_tree(0, FakeDrafter(), branching=2, depth=3, nodes=10, budget=budget)
     n = budget.sizes[-1]
     assert auto.size == n + 1
     assert _kept(auto) <= _kept(fixed)  # a subset of the same proposals ...
-    same_n = build_dynamic_tree(0, FakeDrafter(), top_k=2, depth=3, total_tokens=n)
+    same_n = build_dynamic_tree(0, FakeDrafter(), branching=2, depth=3, nodes=n)
     assert _kept(auto) == _kept(same_n)  # ... namely the fixed tree of the chosen size
 
 
@@ -181,15 +181,15 @@ def test_auto_tree_skips_levels_that_cannot_pay():
     drafter = FakeDrafter()
     # Each draft level costs 40 AR steps: not even the first children can pay for a second level.
     budget = TreeBudget(VerifyCost.linear(0.05, 0.0), level_seconds=2.0)
-    tree = build_dynamic_tree(0, drafter, top_k=2, depth=3, total_tokens=10, budget=budget)
+    tree = build_dynamic_tree(0, drafter, branching=2, depth=3, nodes=10, budget=budget)
     assert len(drafter.calls) == 1 and tree.max_depth == 1
     cheap = FakeDrafter()
-    build_dynamic_tree(0, cheap, top_k=2, depth=3, total_tokens=10,
+    build_dynamic_tree(0, cheap, branching=2, depth=3, nodes=10,
                        budget=TreeBudget(VerifyCost.linear(0.05, 0.0), level_seconds=1e-5))
     assert len(cheap.calls) == 3
 
 
 def test_measured_level_time_is_folded_in():
     budget = TreeBudget(VerifyCost.linear(0.05, 0.001))
-    build_dynamic_tree(0, FakeDrafter(), top_k=2, depth=3, total_tokens=10, budget=budget)
+    build_dynamic_tree(0, FakeDrafter(), branching=2, depth=3, nodes=10, budget=budget)
     assert budget.level_seconds > 0.0

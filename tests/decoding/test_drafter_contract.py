@@ -38,7 +38,7 @@ def test_protocol_defaults():
 
     d = Minimal()
     assert isinstance(d, Drafter) and isinstance(NoDrafter(), Drafter)
-    assert d.aux_layers(None) is None and d.verify_rows(GenerationConfig()) is None
+    assert d.taps(None) is None and d.verify_rows(GenerationConfig()) is None
     assert d.extra_rows(None, None) is None and d.reset(None) is None and d.update(None, None) is None
     assert d.verify_forward(None, None) is None and d.sequence_stats() is None and d.attention_rows() is None
     out, stats = speculative_generate(TableTarget(CYCLE), [0], d, GenerationConfig(max_new_tokens=5,
@@ -47,8 +47,8 @@ def test_protocol_defaults():
 
 
 def test_sequence_stats_reach_the_decode_stats_and_the_answer_record():
-    from draftlab.eval.answer import TurnAnswer
     from draftlab.eval.answers import answer_record, validate_answer
+    from draftlab.eval.turns import TurnAnswer
 
     class Counting(_Chain):
         def reset(self, state):
@@ -129,10 +129,10 @@ class _Mirror(Drafter):
     and to itself. The extra rows' outputs must then equal the tree rows' outputs."""
 
     def __init__(self, taps):
-        self.taps, self.outs = taps, []
+        self._taps, self.outs = taps, []
 
-    def aux_layers(self, target):
-        return self.taps
+    def taps(self, target):
+        return self._taps
 
     def propose(self, state):
         g = torch.Generator().manual_seed(len(state.tokens))

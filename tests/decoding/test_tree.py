@@ -127,7 +127,7 @@ def test_dynamic_tree_hand_checked():
     #   depth 3 (expand c3, c5):          c7=1 (.252) c8=2 (.126) c9=0 (.105) c10=1 (.084)
     # Global rerank: c1 .6 > c3 .42 > c2 .3 > c7 .252 > c5 .21 > c8 .126 > c4 .12 > c9 > c10 > c6.
     drafter = FakeDrafter()
-    tree = build_dynamic_tree(0, drafter, top_k=2, depth=3, total_tokens=5)
+    tree = build_dynamic_tree(0, drafter, branching=2, depth=3, nodes=5)
     # Kept {c1, c3, c2, c7, c5}, reindexed by (depth, generation order): c1 c2 | c3 c5 | c7.
     assert tree.tokens.tolist() == [0, 1, 2, 0, 3, 1]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 2, 3]
@@ -159,26 +159,26 @@ def test_dynamic_tree_hand_checked():
 
 
 def test_dynamic_tree_larger_budget_adds_next_best():
-    tree = build_dynamic_tree(0, FakeDrafter(), top_k=2, depth=3, total_tokens=7)
+    tree = build_dynamic_tree(0, FakeDrafter(), branching=2, depth=3, nodes=7)
     # Adds c8 (.126, child of c3) and c4 (.12, child of c1): c1 c2 | c3 c4 c5 | c7 c8.
     assert tree.tokens.tolist() == [0, 1, 2, 0, 3, 3, 1, 2]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3, 3]
 
 
 def test_dynamic_tree_budget_above_candidates_keeps_all():
-    tree = build_dynamic_tree(0, FakeDrafter(), top_k=2, depth=3, total_tokens=100)
-    assert tree.size == 1 + 2 + 2 * 4  # root + top_k + (depth - 1) * top_k**2
+    tree = build_dynamic_tree(0, FakeDrafter(), branching=2, depth=3, nodes=100)
+    assert tree.size == 1 + 2 + 2 * 4  # root + branching + (depth - 1) * branching**2
     assert tree.max_depth == 3
 
 
 def test_dynamic_tree_degenerate_budgets_do_not_call_the_drafter():
     drafter = FakeDrafter()
-    for kwargs in ({"depth": 0, "total_tokens": 5}, {"depth": 3, "total_tokens": 0}):
-        tree = build_dynamic_tree(3, drafter, top_k=2, **kwargs)
+    for kwargs in ({"depth": 0, "nodes": 5}, {"depth": 3, "nodes": 0}):
+        tree = build_dynamic_tree(3, drafter, branching=2, **kwargs)
         assert tree.tokens.tolist() == [3] and tree.parents.tolist() == [-1]
     assert drafter.calls == []
     with pytest.raises(ValueError):
-        build_dynamic_tree(3, drafter, top_k=0, depth=2, total_tokens=4)
+        build_dynamic_tree(3, drafter, branching=0, depth=2, nodes=4)
 
 
 def test_dynamic_tree_ties_never_orphan_a_node():
@@ -186,16 +186,16 @@ def test_dynamic_tree_ties_never_orphan_a_node():
     # must contain each kept node's parent, and the order must stay topological.
     uniform = FakeDrafter({t: [1.0, 1.0, 1.0, 1.0] for t in range(4)})
     for total in range(1, 12):
-        tree = build_dynamic_tree(0, uniform, top_k=3, depth=3, total_tokens=total)
+        tree = build_dynamic_tree(0, uniform, branching=3, depth=3, nodes=total)
         assert tree.size == total + 1
         assert all(0 <= p < i for i, p in enumerate(tree.parents.tolist()[1:], start=1))
 
 
 def test_dynamic_tree_drops_impossible_tokens():
-    # A reduced draft vocabulary: token 3 is never proposed (-inf log-prob), so with top_k=4 only three
+    # A reduced draft vocabulary: token 3 is never proposed (-inf log-prob), so with branching=4 only three
     # children per node exist.
     table = {t: [0.5, 0.3, 0.2, 0.0] for t in range(4)}
-    tree = build_dynamic_tree(0, FakeDrafter(table), top_k=4, depth=2, total_tokens=100)
+    tree = build_dynamic_tree(0, FakeDrafter(table), branching=4, depth=2, nodes=100)
     assert 3 not in tree.tokens.tolist()[1:]
     assert tree.size == 1 + 3 + 3 * 3
 
@@ -203,13 +203,13 @@ def test_dynamic_tree_drops_impossible_tokens():
 @pytest.mark.parametrize("seed", range(5))
 def test_dynamic_tree_is_the_global_top_by_cumulative_logprob(seed):
     gen = torch.Generator().manual_seed(seed)
-    vocab, top_k, depth, total = 9, 3, 4, 10
+    vocab, branching, depth, total = 9, 3, 4, 10
     table = torch.log_softmax(2 * torch.randn(vocab, vocab, generator=gen), -1)  # [V, V]
 
     def expand(frontier: FrontierBatch) -> torch.Tensor:
         return table[frontier.tokens]  # [F, V]
 
-    tree = build_dynamic_tree(0, expand, top_k=top_k, depth=depth, total_tokens=total)
+    tree = build_dynamic_tree(0, expand, branching=branching, depth=depth, nodes=total)
     assert tree.size == total + 1
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     # Recompute each kept node's score from its path, then check no discarded candidate beats the
@@ -221,9 +221,9 @@ def test_dynamic_tree_is_the_global_top_by_cumulative_logprob(seed):
     for _ in range(depth):
         children = []
         for parent_score, token in frontier:
-            values, ids = torch.topk(table[token], top_k)
+            values, ids = torch.topk(table[token], branching)
             children += [(parent_score + float(v), int(t)) for v, t in zip(values, ids)]
         pool += [s for s, _ in children]
-        frontier = sorted(children, key=lambda c: -c[0])[:top_k]
+        frontier = sorted(children, key=lambda c: -c[0])[:branching]
     kept = sorted(score[1:], reverse=True)
     assert kept == pytest.approx(sorted(pool, reverse=True)[:total])

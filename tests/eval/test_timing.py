@@ -7,10 +7,10 @@ import pytest
 from draftlab.data.benchmarks import Question
 from draftlab.data.errors import DataError
 from draftlab.decoding.engine import DecodeStats
-from draftlab.eval.answer import TurnAnswer
 from draftlab.eval.answers import answer_record, validate_answer
 from draftlab.eval.metrics import question_throughput, speed_metrics
 from draftlab.eval.runner import EvalResult, format_table, report_groups
+from draftlab.eval.turns import TurnAnswer
 
 
 def _answer(qid, category, new_tokens, wall_time, prefill_time=None, accept_lengths=(1,)):

@@ -220,18 +220,18 @@ def engine_chain(reader: EngineDraft, target, prompt: list[int], steps: int) -> 
 def draftlab_chain(draft: Eagle3Draft, target, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
     """The chain as draftlab trains and decodes the draft: its own taps and logits, the pre-norm state fed back."""
     draft.eval()
-    out = target.forward(torch.tensor([prompt]), request=PassRequest(aux=draft.tapped_layers(target)))
+    out = target.forward(torch.tensor([prompt]), request=PassRequest(aux=draft.taps(target)))
     root = int(out.logits[0, -1].argmax())
     return _chain(draft, out.aux_hidden, prompt, root, steps, logits_of=draft.compute_logits, fed_back=lambda h: h)
 
 
 @torch.no_grad()
 def drafter_chain_tokens(draft: Eagle3Draft, target, prompt: list[int], steps: int) -> list[int]:
-    """The chain ``Eagle3Drafter(top_k=1, depth=steps)`` proposes in the first round of ``speculative_generate``."""
+    """The chain ``Eagle3Drafter(branching=1, depth=steps)`` proposes in the first round of ``speculative_generate``."""
     from draftlab.decoding.engine import GenerationConfig, speculative_generate
     from draftlab.methods.eagle3.drafter import Eagle3Drafter
 
-    drafter = Eagle3Drafter(draft, top_k=1, depth=steps, total_tokens=steps)
+    drafter = Eagle3Drafter(draft, branching=1, depth=steps, nodes=steps)
     _, stats = speculative_generate(target, prompt, drafter, GenerationConfig(max_new_tokens=2, stop_on_eos=False),
                                     trace=True)
     round0 = stats.trace[0]

@@ -45,7 +45,7 @@ def _draftlab_acceptance(target, draft, prompts: list[list[int]]) -> tuple[int, 
     rounds = accepted = 0
     per_pos = [0] * K
     for ids in prompts:
-        drafter = Eagle3Drafter(draft, top_k=1, depth=K, total_tokens=K)
+        drafter = Eagle3Drafter(draft, branching=1, depth=K, nodes=K)
         cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_on_eos=False)
         _, stats = speculative_generate(target, ids, drafter, cfg)
         for kept in stats.accept_lengths:  # kept = accepted draft tokens + the bonus token

@@ -95,8 +95,8 @@ class _CheckingTarget:
 
 @pytest.mark.parametrize("cached", [True, False])
 @pytest.mark.parametrize("kernel", ["grouped", "default"])
-@pytest.mark.parametrize("top_k, depth, total_tokens, soft", [(4, 4, 16, 4), (10, 5, 60, 16)])
-def test_contemplate_rows_leave_normal_rows_untouched(tiny_target, trained, top_k, depth, total_tokens, soft, kernel,
+@pytest.mark.parametrize("branching, depth, nodes, soft", [(4, 4, 16, 4), (10, 5, 60, 16)])
+def test_contemplate_rows_leave_normal_rows_untouched(tiny_target, trained, branching, depth, nodes, soft, kernel,
                                                       cached, monkeypatch):
     """Normal rows' logits, aux states and cached keys are those of the same pass without contemplate rows.
 
@@ -113,7 +113,7 @@ def test_contemplate_rows_leave_normal_rows_untouched(tiny_target, trained, top_
     if kernel == "grouped":
         monkeypatch.setattr(hf_target, "_GROUPED_ATTENTION_MAX_ROWS", 10**6)
     checking = _CheckingTarget(tiny_target, 0 if cached else soft)
-    drafter = ConFuDrafter(draft, top_k=top_k, depth=depth, total_tokens=total_tokens, cache_soft_prompts=cached)
+    drafter = ConFuDrafter(draft, branching=branching, depth=depth, nodes=nodes, cache_soft_prompts=cached)
     prompt = TRAIN_PROMPTS[0]
     out, stats = speculative_generate(checking, prompt, drafter, _cfg(drafter, 24))
     assert checking.checked >= 3
@@ -192,7 +192,7 @@ def test_inference_computes_what_training_computes(tiny_target, trained, replica
     ids_d = draft.target_ids()
     compared = {"root": 0, "tree": 0}
     for prompt in TRAIN_PROMPTS[:2] + [UNSEEN_PROMPT]:
-        drafter = _Recording(draft, top_k=4, depth=4, total_tokens=16)
+        drafter = _Recording(draft, branching=4, depth=4, nodes=16)
         out, _ = speculative_generate(tiny_target, prompt, drafter, _cfg(drafter, 30))
         seq = prompt + out
         assert out == greedy(tiny_target, prompt, 30)
@@ -219,8 +219,8 @@ def test_the_contemplate_path_feeds_the_draft(tiny_target, trained):
     with torch.no_grad():
         other.soft_prompts.add_(torch.randn_like(other.soft_prompts))
     prompt = UNSEEN_PROMPT
-    a, b = _Recording(trained.draft, top_k=4, depth=4, total_tokens=16), _Recording(other, top_k=4, depth=4,
-                                                                                     total_tokens=16)
+    a, b = _Recording(trained.draft, branching=4, depth=4, nodes=16), _Recording(other, branching=4, depth=4,
+                                                                                     nodes=16)
     out_a, _ = speculative_generate(tiny_target, prompt, a, _cfg(a, 20))
     out_b, _ = speculative_generate(tiny_target, prompt, b, _cfg(b, 20))
     assert out_a == out_b == greedy(tiny_target, prompt, 20)
@@ -251,7 +251,7 @@ def test_pinned_soft_prompts_compute_what_soft_prompt_rows_compute(tiny_target, 
     runs = {}
     for cached in (True, False):
         counter = _RowCounter(tiny_target)
-        drafter = _Recording(trained.draft, top_k=4, depth=4, total_tokens=16, cache_soft_prompts=cached)
+        drafter = _Recording(trained.draft, branching=4, depth=4, nodes=16, cache_soft_prompts=cached)
         # One drafter for two sequences: the second starts from a clean draft cache.
         first, _ = speculative_generate(counter, TRAIN_PROMPTS[0], drafter, _cfg(drafter, 12))
         assert first == trained.refs[tuple(TRAIN_PROMPTS[0])][:12]

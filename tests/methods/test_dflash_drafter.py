@@ -21,7 +21,7 @@ N_DRAWS = 200  # draws of the sampled block from one state: ~3 s on one core
 
 
 def _aux(target, draft, ids):
-    return target.forward(ids, request=PassRequest(aux=draft.tapped_layers(target), logits_rows=torch.arange(0))).aux_hidden  # [B, T, n_taps*d]
+    return target.forward(ids, request=PassRequest(aux=draft.taps(target), logits_rows=torch.arange(0))).aux_hidden  # [B, T, n_taps*d]
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def _outputs(draft, target):
     ones = torch.ones_like(ids)
     blocks = make_blocks(ids, ones, ones, block_size=BS, mask_token_id=draft.config.mask_token_id,
                          anchors=torch.tensor([[3, 9]]))
-    aux = target.forward(ids, request=PassRequest(aux=draft.tapped_layers(target), logits_rows=torch.arange(0))).aux_hidden
+    aux = target.forward(ids, request=PassRequest(aux=draft.taps(target), logits_rows=torch.arange(0))).aux_hidden
     return block_logits(draft, aux, blocks)
 
 

@@ -42,7 +42,7 @@ def _batch(target, draft, T=20, seed=0):
 
 
 def _aux(target, draft, ids):
-    return target.forward(ids, request=PassRequest(aux=draft.tapped_layers(target), logits_rows=torch.arange(0))).aux_hidden  # [B, T, n_taps*d]
+    return target.forward(ids, request=PassRequest(aux=draft.taps(target), logits_rows=torch.arange(0))).aux_hidden  # [B, T, n_taps*d]
 
 
 def test_default_taps_follow_dflash():

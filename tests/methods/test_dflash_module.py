@@ -56,7 +56,7 @@ def test_online_and_offline_features_give_the_same_loss(tiny_target, tmp_path):
     draft = build_draft(tiny_target, num_layers=1, block_size=BS, seed=0)
     module = DFlashModule(draft, tiny_target, num_anchors=6)
     store = precompute_features(tiny_target, samples, tmp_path / "feats",
-                                aux_layer_ids=draft.tapped_layers(tiny_target))
+                                aux_layer_ids=draft.taps(tiny_target))
     online = DFlashDataModule(samples, batch_size=4, val_fraction=0.0)
     offline = DFlashDataModule(samples, batch_size=4, val_fraction=0.0, feature_dir=store)
     online.setup()

@@ -33,7 +33,7 @@ def test_every_seam_builds_from_the_config(tiny_target, tmp_path):
 
 def test_explicit_taps_are_read_in_the_targets_convention(tiny_target):
     draft = build_draft(tiny_target, taps=[1, 0], num_layers=1, block_size=3)
-    assert draft.tapped_layers(tiny_target) == [1, 0] and draft.fc.weight.shape[1] == 2 * 64
+    assert draft.taps(tiny_target) == [1, 0] and draft.fc.weight.shape[1] == 2 * 64
     with pytest.raises(ValueError, match="out of range"):
         build_draft(tiny_target, taps=[5], num_layers=1, block_size=3)
     with pytest.raises(ValueError, match="draft_vocab_size: null"):

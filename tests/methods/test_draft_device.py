@@ -73,7 +73,7 @@ def saved(tiny_target, tmp_path_factory):
 
 def _aux(drafter, target, rows: int) -> torch.Tensor:
     """Tapped target features of ``rows`` positions, on the target's device (values do not matter)."""
-    taps = drafter.aux_layers(target)
+    taps = drafter.taps(target)
     return torch.zeros(rows, len(taps) * target.geometry.hidden_size, device=target.device)
 
 
@@ -164,7 +164,7 @@ def test_a_drafter_refuses_a_draft_that_is_not_on_the_targets_device(tiny_target
     # Its cache would be made beside the draft and every round's features copied over: an error instead.
     s = spec(name)
     drafter = s.build_drafter(s.build_draft(tiny_target, _vocab(s, tiny_target)))
-    aux = _aux(drafter, meta_target, 12) if drafter.aux_layers(meta_target) is not None else None
+    aux = _aux(drafter, meta_target, 12) if drafter.taps(meta_target) is not None else None
     with pytest.raises(ValueError, match="meta"):
         drafter.reset(_state(meta_target, aux))
 

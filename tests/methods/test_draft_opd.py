@@ -148,7 +148,7 @@ def confu_draft(tiny_target):
     return quick_train(spec("confu"), tiny_target)
 
 
-CHAIN = {"top_k": 1, "depth": 4, "total_tokens": 4}  # a chain: each position is one of the drafter's expansions
+CHAIN = {"branching": 1, "depth": 4, "nodes": 4}  # a chain: each position is one of the drafter's expansions
 
 
 @pytest.mark.parametrize("method", ["eagle3", "confu"])
@@ -251,7 +251,7 @@ def test_draft_opd_trains_every_student_and_decodes_losslessly(tiny_target, requ
     spec = MethodSpec.from_name("draft_opd", [f"method@method.student={student}", "method.module.refresh_every=2"])
     assert spec.cfg.student.name == student and spec.axes()["student"] == student
     if student == "confu":  # a chain of 4, as the conformance suite sizes trees
-        spec.cfg.student.drafter.update(top_k=4, depth=4, total_tokens=16)
+        spec.cfg.student.drafter.update(branching=4, depth=4, nodes=16)
     draft = copy.deepcopy(request.getfixturevalue(f"{student}_draft")).train()
     module = spec.build_module(draft, tiny_target)
     module.log_dict = lambda *a, **k: None  # no trainer attached
@@ -399,7 +399,7 @@ def test_rounds_sit_at_the_chosen_positions_of_a_stub_rollout():
         rounds_at(target, FixedDrafter(_round_tree), tokens, len(prompt), [4, 4], cfg)
 
 
-SMALL_TREE = {"top_k": 3, "depth": 3, "total_tokens": 6}  # the rollouts' fixed tree in experiments/draft_opd
+SMALL_TREE = {"branching": 3, "depth": 3, "nodes": 6}  # the rollouts' fixed tree in experiments/draft_opd
 
 
 def _drafter(method, draft):

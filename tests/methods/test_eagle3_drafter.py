@@ -87,7 +87,7 @@ class _RecordingDrafter(Eagle3Drafter):
 @torch.no_grad()
 def test_cached_rows_equal_a_fresh_forward(tiny_target, trained):
     prompt = TRAIN_PROMPTS[0]
-    drafter = _RecordingDrafter(trained.draft, top_k=1, depth=4, total_tokens=4)
+    drafter = _RecordingDrafter(trained.draft, branching=1, depth=4, nodes=4)
     drafter.cache_chunk = 4  # several reallocations of the draft cache along the way
     out, stats = speculative_generate(tiny_target, prompt, drafter,
                                       GenerationConfig(max_new_tokens=27, temperature=0, stop_on_eos=False))
@@ -121,7 +121,7 @@ def test_cached_rows_equal_a_fresh_forward(tiny_target, trained):
 def test_frontier_logprobs_equal_a_causal_pass_over_the_path(tiny_target, trained, monkeypatch, full_vocab):
     # An unseen context: the draft is unsure there, so frontiers mix children of different parents.
     prompt = UNSEEN_PROMPT
-    drafter = Eagle3Drafter(trained.draft, top_k=3, depth=4, total_tokens=20, full_vocab=full_vocab)
+    drafter = Eagle3Drafter(trained.draft, branching=3, depth=4, nodes=20, full_vocab=full_vocab)
     out, _ = speculative_generate(tiny_target, prompt, drafter,
                                   GenerationConfig(max_new_tokens=12, temperature=0, stop_on_eos=False))
     seq = prompt + out
@@ -219,7 +219,7 @@ def test_incompatible_draft_raises(tiny_target):
     Eagle3Drafter(Eagle3Draft.from_target(tiny_target, draft_vocab_size=64, layer_convention="input_to")
                   ).check_compatible(tiny_target)
     assert tiny_target.aux_layer_ids == [0, 0, 1]
-    # The target's default taps do not matter: the engine captures the draft's own (aux_layers).
+    # The target's default taps do not matter: the engine captures the draft's own (taps).
     base.check_compatible(_fake_target(tiny_target, aux_layer_ids=[0, 1, 1]))
     base.check_compatible(_fake_target(tiny_target, aux_layer_ids=[0, 1]))
     # output_of 1 (the last layer's output) has no name among a 2-layer target's input_to ids.
@@ -256,8 +256,8 @@ def test_engine_captures_the_drafts_taps_not_the_targets(tiny_target):
     taps = [0, 1, 1]
     assert tiny_target.aux_layer_ids != taps
     drafter = _TapRecorder(Eagle3Draft.from_target(tiny_target, draft_vocab_size=64, aux_layer_ids=taps),
-                           top_k=2, depth=2, total_tokens=3)
-    assert drafter.aux_layers(tiny_target) == taps
+                           branching=2, depth=2, nodes=3)
+    assert drafter.taps(tiny_target) == taps
     prompt = [5, 6, 7, 8, 9, 10]
     out, _ = speculative_generate(tiny_target, prompt, drafter, GenerationConfig(max_new_tokens=2, stop_on_eos=False))
     ref = tiny_target.forward(torch.tensor([prompt]), request=PassRequest(aux=taps)).aux_hidden[0]
@@ -275,7 +275,7 @@ def test_engine_captures_the_drafts_taps_not_the_targets(tiny_target):
 
 
 def test_sampling_runs_and_emits_valid_tokens(tiny_target, trained):
-    drafter = Eagle3Drafter(trained.draft, top_k=4, depth=4, total_tokens=16)
+    drafter = Eagle3Drafter(trained.draft, branching=4, depth=4, nodes=16)
     cfg = GenerationConfig(max_new_tokens=16, temperature=0.7, seed=3, stop_on_eos=False)
     out, stats = speculative_generate(tiny_target, TRAIN_PROMPTS[2], drafter, cfg)
     again, _ = speculative_generate(tiny_target, TRAIN_PROMPTS[2], drafter, cfg)

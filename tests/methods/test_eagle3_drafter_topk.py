@@ -47,23 +47,23 @@ def _same_tree(a: DraftTree, b: DraftTree) -> bool:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize(("top_k", "depth", "total_tokens"), [(3, 3, 6), (4, 4, 16), (10, 5, 60)])
-def test_draft_vocab_topk_grows_the_full_vocab_trees(tiny_target, trained, top_k, depth, total_tokens):  # noqa: F811
+@pytest.mark.parametrize(("branching", "depth", "nodes"), [(3, 3, 6), (4, 4, 16), (10, 5, 60)])
+def test_draft_vocab_topk_grows_the_full_vocab_trees(tiny_target, trained, branching, depth, nodes):  # noqa: F811
     for prompt in (TRAIN_PROMPTS[0], UNSEEN_PROMPT):
-        drafter = _BothPaths(trained.draft, top_k=top_k, depth=depth, total_tokens=total_tokens)
+        drafter = _BothPaths(trained.draft, branching=branching, depth=depth, nodes=nodes)
         out, stats = speculative_generate(tiny_target, prompt, drafter,
                                           GenerationConfig(max_new_tokens=24, temperature=0, stop_on_eos=False))
         assert out == greedy(tiny_target, prompt, 24)
         assert len(drafter.pairs) == stats.rounds >= 3
         for ref, fast in drafter.pairs:
             assert _same_tree(ref, fast), (ref.tokens.tolist(), fast.tokens.tolist())
-        assert max(t.size for _, t in drafter.pairs) == total_tokens + 1
+        assert max(t.size for _, t in drafter.pairs) == nodes + 1
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("kw", [{"dtype": "bfloat16"}, {"head_dtype": "bfloat16"}])
 def test_draft_vocab_topk_grows_the_full_vocab_trees_in_bf16(tiny_target, trained, kw):  # noqa: F811
-    drafter = _BothPaths(trained.draft, top_k=4, depth=4, total_tokens=16, **kw)
+    drafter = _BothPaths(trained.draft, branching=4, depth=4, nodes=16, **kw)
     out, _ = speculative_generate(tiny_target, UNSEEN_PROMPT, drafter,
                                   GenerationConfig(max_new_tokens=16, temperature=0, stop_on_eos=False))
     assert out == greedy(tiny_target, UNSEEN_PROMPT, 16)
@@ -75,7 +75,7 @@ def test_reference_path_decodes_the_same_trees_end_to_end(tiny_target, trained):
     """Two drafters, each on its own path throughout (its own appended rows too): same trees, same output."""
     trees = {}
     for full_vocab in (False, True):
-        drafter = Eagle3Drafter(trained.draft, top_k=4, depth=4, total_tokens=16, full_vocab=full_vocab)
+        drafter = Eagle3Drafter(trained.draft, branching=4, depth=4, nodes=16, full_vocab=full_vocab)
         seen = []
         propose = drafter.propose
         drafter.propose = lambda state, seen=seen, propose=propose: seen.append(propose(state)) or seen[-1]
@@ -90,10 +90,10 @@ def test_reference_path_decodes_the_same_trees_end_to_end(tiny_target, trained):
 
 @torch.no_grad()
 def test_a_vocabulary_smaller_than_top_k(tiny_target):
-    """V_d < top_k: the full-vocabulary path drops the -inf columns, the fast path never makes them."""
+    """V_d < branching: the full-vocabulary path drops the -inf columns, the fast path never makes them."""
     torch.manual_seed(0)
     draft = Eagle3Draft.from_target(tiny_target, draft_vocab_size=4)
-    drafter = _BothPaths(draft, top_k=6, depth=3, total_tokens=20)
+    drafter = _BothPaths(draft, branching=6, depth=3, nodes=20)
     prompt = [5, 6, 7, 8, 9]
     out, _ = speculative_generate(tiny_target, prompt, drafter,
                                   GenerationConfig(max_new_tokens=8, temperature=0, stop_on_eos=False))
@@ -108,7 +108,7 @@ def test_a_vocabulary_smaller_than_top_k(tiny_target):
 def test_root_logprobs_view_and_a_wrapped_run(tiny_target, trained):  # noqa: F811
     """``root_logprobs`` (full vocabulary) is built lazily from the draft-vocabulary row; wrapping
     ``rows.run`` (an observer) routes every row through it, as before."""
-    drafter = Eagle3Drafter(trained.draft, top_k=3, depth=3, total_tokens=8)
+    drafter = Eagle3Drafter(trained.draft, branching=3, depth=3, nodes=8)
     rows = drafter.rows
     seen = []
     run = rows.run
@@ -136,14 +136,14 @@ def test_root_logprobs_view_and_a_wrapped_run(tiny_target, trained):  # noqa: F8
 # ---- 2. vectorised build_dynamic_tree == the per-candidate reference ---------------------------------------
 
 
-def _reference_tree(root_token, expand, *, top_k, depth, total_tokens) -> DraftTree:
+def _reference_tree(root_token, expand, *, branching, depth, nodes) -> DraftTree:
     """``build_dynamic_tree`` as it was written before vectorising (per-candidate Python, best-first heap)."""
     cand_tokens, cand_parents, cand_depth, cand_scores = [int(root_token)], [-1], [0], [0.0]
-    max_candidates = 1 + top_k + max(depth - 1, 0) * top_k * top_k
+    max_candidates = 1 + branching + max(depth - 1, 0) * branching * branching
     ancestors = torch.zeros(max_candidates, max_candidates, dtype=torch.bool)
     ancestors[0, 0] = True
     frontier = [0]
-    for level in range(depth if total_tokens > 0 else 0):
+    for level in range(depth if nodes > 0 else 0):
         num = len(cand_tokens)
         batch = FrontierBatch(
             node_ids=torch.tensor(frontier, dtype=torch.long),
@@ -154,7 +154,7 @@ def _reference_tree(root_token, expand, *, top_k, depth, total_tokens) -> DraftT
             scores=torch.tensor([cand_scores[i] for i in frontier], dtype=torch.float32),
         )
         logprobs = expand(batch)
-        k = min(top_k, logprobs.shape[-1])
+        k = min(branching, logprobs.shape[-1])
         top_vals, top_ids = torch.topk(logprobs.float(), k, dim=-1)
         child_scores = batch.scores[:, None] + top_vals
         new_ids, new_scores = [], []
@@ -174,11 +174,11 @@ def _reference_tree(root_token, expand, *, top_k, depth, total_tokens) -> DraftT
         new = torch.tensor(new_ids, dtype=torch.long)
         ancestors[new] = ancestors[torch.tensor([cand_parents[i] for i in new_ids], dtype=torch.long)]
         ancestors[new, new] = True
-        order = sorted(range(len(new_ids)), key=lambda j: -new_scores[j])[:top_k]
+        order = sorted(range(len(new_ids)), key=lambda j: -new_scores[j])[:branching]
         frontier = [new_ids[j] for j in sorted(order)]
     # Selection by the shipped heap search: the tree under test selects by sorting instead (the heap is only
     # its fallback), so the two paths still check each other.
-    selected = _best_first(cand_parents, cand_scores, total_tokens)
+    selected = _best_first(cand_parents, cand_scores, nodes)
     selected.sort(key=lambda c: (cand_depth[c], c))
     new_index = {c: i for i, c in enumerate(selected)}
     return DraftTree.from_parents([cand_tokens[c] for c in selected],
@@ -214,28 +214,28 @@ def _tables(seed: int, vocab: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize(("top_k", "depth", "total_tokens"),
+@pytest.mark.parametrize(("branching", "depth", "nodes"),
                          [(1, 4, 4), (2, 3, 5), (3, 3, 6), (3, 4, 10), (4, 5, 30), (6, 3, 100), (3, 0, 5), (3, 3, 0)])
-def test_vectorised_tree_equals_the_reference(seed, top_k, depth, total_tokens):
+def test_vectorised_tree_equals_the_reference(seed, branching, depth, nodes):
     for name, table in _tables(seed, 9).items():
-        ref = _reference_tree(2, _Table(table), top_k=top_k, depth=depth, total_tokens=total_tokens)
+        ref = _reference_tree(2, _Table(table), branching=branching, depth=depth, nodes=nodes)
         got_drafter = _Table(table)
-        got = build_dynamic_tree(2, got_drafter, top_k=top_k, depth=depth, total_tokens=total_tokens)
+        got = build_dynamic_tree(2, got_drafter, branching=branching, depth=depth, nodes=nodes)
         assert _same_tree(ref, got), (name, ref.tokens.tolist(), got.tokens.tolist(), ref.parents.tolist(),
                                       got.parents.tolist())
         # What the drafter is shown per level is unchanged too.
         ref_calls = _Table(table)
-        _reference_tree(2, ref_calls, top_k=top_k, depth=depth, total_tokens=total_tokens)
+        _reference_tree(2, ref_calls, branching=branching, depth=depth, nodes=nodes)
         assert len(ref_calls.calls) == len(got_drafter.calls)
         for a, b in zip(ref_calls.calls, got_drafter.calls):
             for field in ("node_ids", "tokens", "parents", "ancestor_mask", "scores"):
                 assert torch.equal(getattr(a, field), getattr(b, field)), (name, field)
             assert a.depth == b.depth
         if name in ("logp", "impossible"):  # no exact ties: top-k order is unambiguous
-            # Already-chosen candidates (fewer columns than top_k allowed, more are cut) give the same tree.
-            for k in (top_k, top_k + 2):
-                cand = build_dynamic_tree(2, _Table(table, as_candidates=k), top_k=top_k, depth=depth,
-                                          total_tokens=total_tokens)
+            # Already-chosen candidates (fewer columns than branching allowed, more are cut) give the same tree.
+            for k in (branching, branching + 2):
+                cand = build_dynamic_tree(2, _Table(table, as_candidates=k), branching=branching, depth=depth,
+                                          nodes=nodes)
                 assert _same_tree(ref, cand), name
 
 
@@ -244,7 +244,7 @@ def test_top_candidates_shape_is_checked():
         return TopCandidates(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long))
 
     with pytest.raises(ValueError, match="TopCandidates"):
-        build_dynamic_tree(0, bad, top_k=3, depth=2, total_tokens=4)
+        build_dynamic_tree(0, bad, branching=3, depth=2, nodes=4)
 
 
 # ---- 3. a bf16 draft ------------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ def test_top_candidates_shape_is_checked():
 @torch.no_grad()
 @pytest.mark.parametrize("kw", [{"dtype": "bfloat16"}, {"head_dtype": "bf16"}])
 def test_bf16_draft_is_lossless(tiny_target, trained, kw):  # noqa: F811
-    drafter = Eagle3Drafter(trained.draft, top_k=4, depth=4, total_tokens=16, **kw)
+    drafter = Eagle3Drafter(trained.draft, branching=4, depth=4, nodes=16, **kw)
     layer_dtype = torch.bfloat16 if "dtype" in kw else torch.float32
     assert drafter.compute_draft is not trained.draft
     assert drafter.compute_draft.fc.weight.dtype == layer_dtype
@@ -279,7 +279,7 @@ def test_bf16_draft_is_lossless(tiny_target, trained, kw):  # noqa: F811
 def test_bf16_copy_follows_the_drafts_weights(tiny_target):
     torch.manual_seed(0)
     draft = Eagle3Draft.from_target(tiny_target, draft_vocab_size=64)
-    drafter = Eagle3Drafter(draft, top_k=2, depth=2, total_tokens=3, dtype=torch.bfloat16)
+    drafter = Eagle3Drafter(draft, branching=2, depth=2, nodes=3, dtype=torch.bfloat16)
     assert Eagle3Drafter(draft, dtype="float32").compute_draft is draft  # already that dtype: no copy
     with pytest.raises(ValueError, match="dtype"):
         Eagle3Drafter(draft, dtype="int8")

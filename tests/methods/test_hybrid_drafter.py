@@ -47,8 +47,8 @@ def test_union_refuses_sampled_trees_and_different_roots():
 @pytest.mark.parametrize("lookup", [SuffixDrafter, PromptLookupDrafter])
 def test_hybrid_is_lossless_and_proposes_both_trees(tiny_target, lookup):
     torch.manual_seed(0)
-    learned = Eagle3Drafter(Eagle3Draft.from_target(tiny_target, draft_vocab_size=256), top_k=2, depth=3,
-                            total_tokens=4)
+    learned = Eagle3Drafter(Eagle3Draft.from_target(tiny_target, draft_vocab_size=256), branching=2, depth=3,
+                            nodes=4)
     drafter = HybridDrafter(learned, lookup())
     prompt = tiny_target.tokenizer.encode("one two three four one two three four one two")
     cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, stop_on_eos=False)
@@ -109,7 +109,7 @@ class _Counting(Eagle3Drafter):
 @pytest.mark.parametrize("skip_at", [0.5, 1e9])
 def test_gated_hybrid_skips_the_learned_draft_when_the_lookup_is_confident(tiny_target, skip_at):
     torch.manual_seed(0)
-    learned = _Counting(Eagle3Draft.from_target(tiny_target, draft_vocab_size=256), top_k=2, depth=3, total_tokens=4)
+    learned = _Counting(Eagle3Draft.from_target(tiny_target, draft_vocab_size=256), branching=2, depth=3, nodes=4)
     drafter = HybridDrafter(learned, SuffixDrafter(), skip_learned_at=skip_at)
     # A prompt that repeats itself: the suffix trie soon matches long, confident continuations.
     prompt = tiny_target.tokenizer.encode("one two three four one two three four one two three four one two")
@@ -155,7 +155,7 @@ def test_trees_carry_the_drafters_path_probabilities(tiny_target):
     def expand(batch):
         return torch.log_softmax(logits[batch.depth].expand(batch.node_ids.shape[0], -1), -1)
 
-    tree = build_dynamic_tree(0, expand, top_k=2, depth=3, total_tokens=5)
+    tree = build_dynamic_tree(0, expand, branching=2, depth=3, nodes=5)
     assert tree.path_probs[0] == 1.0
     for i in range(1, tree.size):  # a child's path probability is its parent's times its own
         parent = int(tree.parents[i])

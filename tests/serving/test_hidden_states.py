@@ -128,7 +128,7 @@ def test_a_method_features_entry_can_name_the_vllm_store(tiny_target, tmp_path, 
     from draftlab.data.features import offline_features
 
     class Draft:
-        def tapped_layers(self, target):
+        def taps(self, target):
             return [0, 1]
 
     calls = []

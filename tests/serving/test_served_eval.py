@@ -158,7 +158,7 @@ def test_eval_engine_composes_with_served_settings():
     cfg = _compose(["eval.engine=vllm", "eval.served.num_speculative_tokens=4", "method=eagle3"])
     assert served.check_engine(cfg) == "vllm"
     s = served.served_settings(cfg)
-    assert s["chain"] == {"top_k": 1, "depth": 4, "total_tokens": 4} and s["max_tokens"] == 64
+    assert s["chain"] == {"branching": 1, "depth": 4, "nodes": 4} and s["max_tokens"] == 64
     assert set(cfg.eval.served) == set(served.DEFAULTS)  # conf/eval.yaml and the code defaults agree
     train = _compose(["eval.engine=vllm"], name="train")  # a train run has no served block: code defaults
     assert served.served_settings(train)["chain"]["depth"] == 3
@@ -170,11 +170,11 @@ def test_eval_engine_composes_with_served_settings():
         served.check_engine(_compose(["eval.engine=vllm", "eval.served.num_speculative_tokens=[2,0]"]))
     with pytest.raises(ConfigError, match="several lengths"):
         served.check_engine(_compose(["eval.engine=vllm", "eval.served.num_speculative_tokens=[1,2]",
-                                      "eval.served.chain={top_k: 1}"]))
+                                      "eval.served.chain={branching: 1}"]))
     assert served.serve_plan(dflash, "vllm") == {"format": "dflash", "method": "dflash"}
     assert served.serve_plan(cfg, "sglang") == {"format": "sglang", "method": "EAGLE3"}
-    given = _compose(["eval.engine=vllm", "method=eagle3", "eval.served.chain={top_k: 2, depth: 3, total_tokens: 5}"])
-    assert served.served_settings(given)["chain"] == {"top_k": 2, "depth": 3, "total_tokens": 5}
+    given = _compose(["eval.engine=vllm", "method=eagle3", "eval.served.chain={branching: 2, depth: 3, nodes: 5}"])
+    assert served.served_settings(given)["chain"] == {"branching": 2, "depth": 3, "nodes": 5}
     with pytest.raises(ConfigError, match=r"no way for vllm to serve.*conf/method/confu.yaml"):
         served.check_engine(_compose(["eval.engine=vllm", "method=confu"]))
     assert served.check_engine(_compose([], name="train")) == "draftlab"

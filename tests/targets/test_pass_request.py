@@ -62,10 +62,10 @@ class _Tapping:
     """A drafter stand-in that asks for taps and attention mass (what ``pass_request`` reads)."""
 
     def __init__(self, taps, rows):
-        self.taps, self.rows = taps, rows
+        self._taps, self.rows = taps, rows
 
-    def aux_layers(self, target):
-        return self.taps
+    def taps(self, target):
+        return self._taps
 
     def attention_rows(self):
         return self.rows

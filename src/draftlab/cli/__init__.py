@@ -34,6 +34,27 @@ def report_user_errors(task):
     return run
 
 
+def refuse_retired_argv(main):
+    """Wrap a ``hydra.main`` entry point: a retired setting name on the command line (``configs.RETIRED``) is
+    refused with one line naming the new one before Hydra composes (which would only say "not in struct")."""
+    import functools
+    import sys
+
+    from draftlab.configs import refuse_retired_overrides
+    from draftlab.utils.errors import UserError
+
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+        try:
+            refuse_retired_overrides(sys.argv[1:])
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        return main(*args, **kwargs)
+
+    return run
+
+
 def reject_unread_appends(cfg, overrides: list[str] | None = None) -> None:
     """``ConfigError`` for an appended key (``+a.b=v``) that nothing reads.
 

@@ -10,7 +10,7 @@ from typing import Any
 from draftlab.data.conversations import iter_json_records
 from draftlab.data.errors import DataError
 
-# Checked against the ConFu tables (/work/shared/seeds/002_*.txt, Tables 1-4): every table has the
+# Checked against the ConFu paper's Tables 1-4: every table has the
 # columns WRIT RP CODE EXT STEM HUM SUMM TRAN QA RAG M/R (then AVG) in this order, and the captions
 # define only WRIT=writing, QA=question-answer, SUMMAR=summarization, TRANS=translation, CODE=coding,
 # M/R=math/reasoning. Spec-Bench has 13 categories for these 11 columns; its two MT-bench categories

@@ -49,7 +49,7 @@ def offline_features(*, target, draft, samples: Sequence[RenderedSample], root: 
     ``key`` identifies the target (capture settings excluded) and the data; the tapped layers and the
     dtype are added here, so drafts that tap the same layers share one store.
     """
-    layers = draft.tapped_layers(target)
+    layers = draft.taps(target)
     convention = getattr(target.layer_convention, "value", str(target.layer_convention))
     target_id, data_key = key
     fkey = feature_key(target_id, data_key, layers, convention, dtype, len(samples))

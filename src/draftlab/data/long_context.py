@@ -1,6 +1,6 @@
 """Long-context benchmark: L-Eval documents and needle-in-a-haystack prompts fitted to a token budget.
 
-The files (``/work/shared/data/long_context/*.jsonl``, "Long-context schema" in its README) hold one
+The files (``data/long_context/*.jsonl`` of the shared data directory, "Long-context schema" in its README) hold one
 single-turn prompt per line: ``{"id", "question_id", "category", "turns": [instruction + document],
 "reference": answer | [answers], "source", "chars"}``. Their integer ``question_id`` restarts in every
 file, so the string ``id`` is the question id here.

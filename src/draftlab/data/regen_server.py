@@ -10,7 +10,7 @@ stopped on every way out of the run).
       engine: server
       server:
         urls: [http://127.0.0.1:8000]          # or:
-        launch: {builder: vllm, python: /work/vllm-venv/bin/python, max_model_len: 2048}
+        launch: {builder: vllm, python: ~/vllm-venv/bin/python, max_model_len: 2048}
         concurrency: 8
         timeout: 300
         max_retries: 3

@@ -8,7 +8,7 @@ that maximises expected tokens per second:
     E(n) = 1 + a * sum_{i <= n} p_i          tokens a round yields (bonus token included) with the n best nodes
     C(n) = (levels + 1) * t_level + V(rows(n), L)  seconds: the draft levels run, the draft's accept pass, one
                                                   verify over the L tokens decoded so far
-    n*   = argmax_n E(n) / C(n),  0 <= n <= total_tokens  (the configured size becomes a cap)
+    n*   = argmax_n E(n) / C(n),  0 <= n <= nodes  (the configured size becomes a cap)
 
 ``p_i`` are the candidates' path probabilities in best-first order (a prefix of that order is always an
 ancestor-closed tree), ``a`` a calibration factor learned online: the ratio of accepted draft tokens to

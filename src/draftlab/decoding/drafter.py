@@ -8,7 +8,7 @@ the acceptance rule never change per method; methods differ only in how they pro
 Every member the engine calls is declared on ``Drafter`` with a default, and drafters subclass it
 explicitly to inherit those defaults, so the engine never probes a drafter for optional methods:
 
-- ``aux_layers(target)``: target layers whose hidden states the drafter reads (target's convention).
+- ``taps(target)``: target layers whose hidden states the drafter reads (target's convention).
   The engine asks the target for them (``PassRequest(aux=...)``) in the prefill and in every verify pass. ``None`` (default): no aux states are computed at all.
 - ``verify_rows(cfg)``: rows of the largest verify pass (tree nodes + extra rows); the engine sizes the
   target cache's scratch for ``max(cfg.max_tree_rows, verify_rows)``. ``None``: ``cfg.max_tree_rows``.
@@ -53,7 +53,7 @@ break it (``test_drafter_mutants.py``).
 
 How every method on the roadmap fits:
 
-- **EAGLE-3 (feature drafters, dynamic trees).** ``aux_layers`` names the draft's three taps: the engine
+- **EAGLE-3 (feature drafters, dynamic trees).** ``taps`` names the draft's three taps: the engine
   returns them for the prefill rows (``state.accepted_aux`` at ``reset``) and for the kept rows of every
   verify pass (``out.accepted_aux``). The drafter keeps its own draft KV cache across rounds, extends it
   with those features in ``update``, and grows an EAGLE-2 dynamic tree with ``decoding.tree.build_dynamic_tree``.
@@ -186,7 +186,7 @@ class DecodeState:
 class Drafter(Protocol):
     """What the engine calls. Subclass it explicitly: every member but ``propose`` has a default."""
 
-    def aux_layers(self, target) -> list[int] | None:
+    def taps(self, target) -> list[int] | None:
         """Target layers to capture (in ``target.layer_convention``); ``None``: no aux states."""
         return None
 

@@ -54,7 +54,7 @@ class TopCandidates:
     - ``logprobs``: ``Tensor[F, k]`` each row's log-probs in descending order (as ``torch.topk`` returns them).
     - ``tokens``: ``LongTensor[F, k]`` their target token ids.
 
-    ``k`` may be below ``top_k`` (a vocabulary smaller than ``top_k``); columns past ``top_k`` are ignored.
+    ``k`` may be below ``branching`` (a vocabulary smaller than ``branching``); columns past ``branching`` are ignored.
     It must be what ``torch.topk`` over the full log-probs would give, up to the non-finite entries that
     ``build_dynamic_tree`` drops anyway: then the tree is the same as from the full log-probs.
     """
@@ -63,14 +63,14 @@ class TopCandidates:
     tokens: torch.Tensor  # [F, k]
 
 
-def _best_first(parents: list[int], scores: list[float], total_tokens: int) -> list[int]:
+def _best_first(parents: list[int], scores: list[float], nodes: int) -> list[int]:
     """Best-first selection from the root (a node is eligible once its parent is selected; ties broken by
     generation order): the candidates kept, root first, in selection order."""
     children = children_lists(parents)
     heap = [(-scores[c], c) for c in children[0]]
     heapq.heapify(heap)
     selected = [0]
-    while heap and len(selected) < total_tokens + 1:
+    while heap and len(selected) < nodes + 1:
         _, node = heapq.heappop(heap)
         selected.append(node)
         for child in children[node]:
@@ -81,8 +81,8 @@ def _best_first(parents: list[int], scores: list[float], total_tokens: int) -> l
 class _Pool:
     """The candidate pool on the host: candidate 0 is the root, children are appended level by level."""
 
-    def __init__(self, root_token: int, top_k: int, depth: int):
-        size = 1 + top_k + max(depth - 1, 0) * top_k * top_k
+    def __init__(self, root_token: int, branching: int, depth: int):
+        size = 1 + branching + max(depth - 1, 0) * branching * branching
         self.tokens = torch.empty(size, dtype=torch.long)  # [Cmax]
         self.parents = torch.empty(size, dtype=torch.long)  # [Cmax]
         self.depth = torch.empty(size, dtype=torch.long)  # [Cmax]
@@ -103,42 +103,42 @@ class _Pool:
         )
 
     def add(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, level: int,
-            top_k: int) -> torch.Tensor:
-        """Append ``m`` children of ``level``; returns the next frontier (the ``top_k`` best new ids)."""
+            branching: int) -> torch.Tensor:
+        """Append ``m`` children of ``level``; returns the next frontier (the ``branching`` best new ids)."""
         num, m = self.num, scores.shape[0]
         new = slice(num, num + m)
         self.tokens[new], self.parents[new], self.depth[new], self.scores[new] = tokens, parents, level + 1, scores
         self.ancestors[new] = self.ancestors[parents]
         self.ancestors[new, new].fill_diagonal_(True)
         self.num += m
-        if m <= top_k:
+        if m <= branching:
             return torch.arange(num, num + m)
         # A stable sort keeps generation order on ties.
-        order = torch.sort(scores, descending=True, stable=True).indices[:top_k]  # [top_k]
+        order = torch.sort(scores, descending=True, stable=True).indices[:branching]  # [branching]
         return order.sort().values + num
 
 
-def _top_children(out: torch.Tensor | TopCandidates, f: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each frontier row's best ``<= top_k`` children from ``expand``'s answer: log-probs and ids ``[F, k]``."""
+def _top_children(out: torch.Tensor | TopCandidates, f: int, branching: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each frontier row's best ``<= branching`` children from ``expand``'s answer: log-probs and ids ``[F, k]``."""
     if isinstance(out, TopCandidates):
         top_vals, top_ids = out.logprobs, out.tokens
         if top_vals.ndim != 2 or top_vals.shape[0] != f or top_ids.shape != top_vals.shape:
             raise ValueError(f"expand must return TopCandidates of [F={f}, k] log-probs and tokens, got "
                              f"{tuple(top_vals.shape)} and {tuple(top_ids.shape)}")
-        return top_vals[:, :top_k].detach().float(), top_ids[:, :top_k]  # [F, k]
+        return top_vals[:, :branching].detach().float(), top_ids[:, :branching]  # [F, k]
     if out.ndim != 2 or out.shape[0] != f:
         raise ValueError(f"expand must return [F={f}, V] log-probs, got {tuple(out.shape)}")
     # top-k on the drafter's device; only the small [F, k] result comes back to the host.
-    return torch.topk(out.detach().float(), min(top_k, out.shape[-1]), dim=-1)  # [F, k]
+    return torch.topk(out.detach().float(), min(branching, out.shape[-1]), dim=-1)  # [F, k]
 
 
-def _grow(pool: _Pool, expand, *, top_k: int, levels: int, total_tokens: int, budget: TreeBudget | None) -> int:
+def _grow(pool: _Pool, expand, *, branching: int, levels: int, nodes: int, budget: TreeBudget | None) -> int:
     """The expansion phase; returns the number of levels expanded."""
     frontier = torch.zeros(1, dtype=torch.long)  # [F] candidate ids, in generation order
     run = 0
     for level in range(levels):
         batch = pool.batch(frontier, level)
-        top_vals, top_ids = _top_children(expand(batch), frontier.shape[0], top_k)
+        top_vals, top_ids = _top_children(expand(batch), frontier.shape[0], branching)
         k = top_vals.shape[1]
         child_scores = (batch.scores[:, None] + top_vals.cpu()).reshape(-1)  # [F*k] in generation order
         child_tokens = top_ids.cpu().to(torch.long).reshape(-1)  # [F*k]
@@ -150,16 +150,16 @@ def _grow(pool: _Pool, expand, *, top_k: int, levels: int, total_tokens: int, bu
             child_scores, child_tokens, child_parents = child_scores[keep], child_tokens[keep], child_parents[keep]
         if child_scores.shape[0] == 0:
             break
-        frontier = pool.add(child_tokens, child_parents, child_scores, level, top_k)
+        frontier = pool.add(child_tokens, child_parents, child_scores, level, branching)
         run = level + 1
         if budget is not None and run < levels:
-            ranked = torch.sort(pool.scores[1:pool.num], descending=True).values[:total_tokens].exp()  # [<=N]
+            ranked = torch.sort(pool.scores[1:pool.num], descending=True).values[:nodes].exp()  # [<=N]
             if not budget.keep_growing(ranked, pool.scores[frontier].exp(), run):
                 break
     return run
 
 
-def _select(pool: _Pool, total_tokens: int) -> torch.Tensor:
+def _select(pool: _Pool, nodes: int) -> torch.Tensor:
     """The kept candidates, root first, in best-first order (any prefix is ancestor-closed).
 
     Vectorised: best-first selection equals the prefix of all candidates sorted by (score descending,
@@ -173,20 +173,20 @@ def _select(pool: _Pool, total_tokens: int) -> torch.Tensor:
     rank = torch.empty(num, dtype=torch.long)  # [C]
     rank[0] = -1
     rank[ranked] = torch.arange(num - 1)
-    taken = ranked[:total_tokens]  # [n]
+    taken = ranked[:nodes]  # [n]
     if bool((rank[parents_all[taken]] < rank[taken]).all()):
         return torch.cat([torch.zeros(1, dtype=torch.long), taken])  # [N], root first, best first
     # A child outranks its parent: only the best-first search is ancestor-closed.
-    return torch.tensor(_best_first(parents_all.tolist(), pool.scores[:num].tolist(), total_tokens), dtype=torch.long)
+    return torch.tensor(_best_first(parents_all.tolist(), pool.scores[:num].tolist(), nodes), dtype=torch.long)
 
 
 def build_dynamic_tree(
     root_token: int,
     expand: Callable[[FrontierBatch], torch.Tensor | TopCandidates],
     *,
-    top_k: int,
+    branching: int,
     depth: int,
-    total_tokens: int,
+    nodes: int,
     budget: TreeBudget | None = None,
 ) -> DraftTree:
     """Grow an EAGLE-2 dynamic draft tree (Li et al., 2024, "EAGLE-2: Faster Inference of Language Models
@@ -200,11 +200,11 @@ def build_dynamic_tree(
     Algorithm (a node's score is its cumulative draft log-probability, the sum of ``logprobs`` along its
     root path, which approximates the chance that the target accepts the whole path):
 
-    1. Expansion phase. Depth 1: expand the root, its ``top_k`` most probable tokens become candidates
-       and the frontier. Each further depth: expand every frontier node into its ``top_k`` most probable
-       children (up to ``top_k**2`` new candidates); ALL of them join the candidate pool, and the
-       ``top_k`` with the best scores form the next frontier. Stop after ``depth`` levels.
-    2. Reranking phase. Keep the ``total_tokens`` best-scoring candidates of the whole pool (root
+    1. Expansion phase. Depth 1: expand the root, its ``branching`` most probable tokens become candidates
+       and the frontier. Each further depth: expand every frontier node into its ``branching`` most probable
+       children (up to ``branching**2`` new candidates); ALL of them join the candidate pool, and the
+       ``branching`` with the best scores form the next frontier. Stop after ``depth`` levels.
+    2. Reranking phase. Keep the ``nodes`` best-scoring candidates of the whole pool (root
        excluded from the count). Child scores never exceed their parent's (log-probs are <= 0), so the
        global top set is closed under ancestors; selection is done best-first from the root (a node is
        eligible only once its parent is selected, ties broken by generation order) so that ties and
@@ -217,18 +217,18 @@ def build_dynamic_tree(
     deterministically, so the tree has ``deterministic=True`` and ``draft_probs=None``: the verifier must
     use the deterministic-candidate rule, not ``min(1, p/q)``.
 
-    ``budget`` (``tree: auto``, see ``decoding.budget``): ``total_tokens`` becomes a cap, growth stops once
+    ``budget`` (``tree: auto``, see ``decoding.budget``): ``nodes`` becomes a cap, growth stops once
     another level cannot pay for itself, and the kept prefix of the best-first order is the size with the
     most expected tokens per second.
     """
-    if top_k < 1 or depth < 0 or total_tokens < 0:
-        raise ValueError(f"need top_k >= 1, depth >= 0, total_tokens >= 0; got {top_k}, {depth}, {total_tokens}")
-    pool = _Pool(root_token, top_k, depth)
-    levels = depth if total_tokens > 0 else 0
+    if branching < 1 or depth < 0 or nodes < 0:
+        raise ValueError(f"need branching >= 1, depth >= 0, nodes >= 0; got {branching}, {depth}, {nodes}")
+    pool = _Pool(root_token, branching, depth)
+    levels = depth if nodes > 0 else 0
     if budget is not None:
         expand = budget.timed(expand)
-    run = _grow(pool, expand, top_k=top_k, levels=levels, total_tokens=total_tokens, budget=budget)
-    selected = _select(pool, total_tokens)
+    run = _grow(pool, expand, branching=branching, levels=levels, nodes=nodes, budget=budget)
+    selected = _select(pool, nodes)
     if budget is not None:  # any prefix of the selection order is ancestor-closed
         selected = selected[:1 + budget.choose(pool.scores[selected[1:]].exp(), run)]
     # Topological order: by depth, then generation order.

@@ -120,7 +120,7 @@ def pass_request(target, drafter: Drafter) -> PassRequest:
     """What every pass of a sequence computes for ``drafter`` besides logits: its aux taps and attention mass.
 
     A drafter that asks for neither gets a plain request, so targets without those features (stubs) work."""
-    taps = drafter.aux_layers(target)
+    taps = drafter.taps(target)
     mass_rows = drafter.attention_rows()
     return PassRequest(aux=list(taps) if taps else False, attn_mass_rows=int(mass_rows) if mass_rows else 0)
 

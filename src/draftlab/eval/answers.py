@@ -36,8 +36,8 @@ _REQUIRED_CHOICE_LISTS = ("turns", "new_tokens", "wall_time", "accept_lengths")
 def answer_record(question, turns: Sequence, model_id: str, *, index: int = 0, **extra: Any) -> dict:
     """Build one answer record from a :class:`~draftlab.data.benchmarks.Question` and its answered turns.
 
-    ``turns`` are the :class:`~draftlab.eval.answer.TurnAnswer` objects that
-    :func:`~draftlab.eval.answer.answer_question` returns (anything with ``text`` and a
+    ``turns`` are the :class:`~draftlab.eval.turns.TurnAnswer` objects that
+    :func:`~draftlab.eval.turns.answer_question` returns (anything with ``text`` and a
     :class:`~draftlab.decoding.engine.DecodeStats` ``stats``). ``extra`` keys go into the top-level record.
     """
     choice = {

@@ -125,7 +125,7 @@ class MethodSpec:
         return self.cfg.student.get(key, default)
 
     def axes(self, trained: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``{axis: value}`` for the comparison axes this method declares (``axes: {nodes: drafter.total_tokens}``).
+        """``{axis: value}`` for the comparison axes this method declares (``axes: {nodes: drafter.nodes}``).
 
         ``trained``: the method config the evaluated draft was trained with (:func:`trained_method_config`).
         An axis on a training setting (``draft.block_size``, ``module.ttt_length``: anything outside the

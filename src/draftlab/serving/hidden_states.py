@@ -113,7 +113,7 @@ def vllm_offline_features(*, target, draft, samples, root: str | Path, key: tupl
     so they never share a directory."""
     from draftlab.data.features import feature_key
 
-    layers = draft.tapped_layers(target)
+    layers = draft.taps(target)
     convention = getattr(target.layer_convention, "value", str(target.layer_convention))
     target_id, data_key = key
     fkey = feature_key({"target": target_id, "engine": "vllm"}, data_key, layers, convention, dtype, len(samples))

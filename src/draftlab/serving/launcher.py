@@ -1,7 +1,7 @@
 """Start an OpenAI-compatible server as a subprocess, wait until it is healthy, and always stop it.
 
     cmd = vllm_command(model_dir, port=port, dtype="float32", max_model_len=2048,
-                       python="/work/vllm-venv/bin/python")
+                       python="~/vllm-venv/bin/python")
     with ServerProcess(cmd, port=port, health_paths=VLLM_HEALTH, log_path="vllm.log") as server:
         ...  # server.url is "http://127.0.0.1:<port>"
 

@@ -13,7 +13,7 @@ builds its own drafter; a trainable one drafts from this run's draft, so it must
 artifact format (the same ``artifact`` block), e.g. a learned draft with lookup candidates merged in.
 
 Every bench is loaded with the target's tokenizer (a long-context bench fits its prompts to the budget
-with it; others ignore it). A bench with ``scored(category)`` (``LongContextBench``: NIAH) has the answers
+with it; the rest ignore it). A bench with ``scored(category)`` (``LongContextBench``: NIAH) has the answers
 of those categories scored by whether the reference appears in them, for AR, the method and each
 baseline (``record["scores"]``, ``eval/<bench>/found/<name>``). ``eval.timing`` picks wall-clock or
 decode-only throughputs (wall time less prefill time: a long prompt's prefill would swamp the decoding).
@@ -32,19 +32,18 @@ from draftlab import tracking
 from draftlab.decoding.drafter import closing_all
 from draftlab.decoding.engine import GenerationConfig, scratch_rows
 from draftlab.eval.metrics import TIMINGS
+from draftlab.eval.runner import AR_NAME
 from draftlab.eval.scoring import bench_scores, format_scores
 from draftlab.methods.registry import MethodSpec, trained_method_config
 from draftlab.utils.atomic import atomic_write_text
 from draftlab.utils.errors import ConfigError
-
-AR_SCORE_NAME = "ar"  # the AR baseline's entry in record["scores"]
 
 
 def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
     """The engine settings of ``cfg.eval``, with scratch room for the drafter's largest verify pass."""
     e = cfg.eval
     gen = GenerationConfig(max_new_tokens=int(e.max_new_tokens), temperature=float(e.temperature),
-                           top_k=e.get("top_k_sampling"), top_p=e.get("top_p"), seed=int(cfg.seed),
+                           top_k=e.get("top_k"), top_p=e.get("top_p"), seed=int(cfg.seed),
                            max_tree_rows=int(e.get("max_tree_rows", 128)))
     gen.max_tree_rows = scratch_rows(gen, drafter)  # what the engine reserves for this drafter, recorded
     return gen
@@ -52,7 +51,7 @@ def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
 
 def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None = None, draft=None,
              draft_dir: Path | None = None, spec: MethodSpec | None = None) -> tuple[dict[str, Any], dict[str, float]]:
-    """Run ``cfg.bench`` with ``drafter`` and the AR baseline; returns (eval record, flat metrics).
+    """Run ``cfg.bench`` with ``drafter`` and AR; returns (eval record, flat metrics).
     ``draft``: the run's trained draft (None for a training-free method), for trainable baselines;
     ``draft_dir``: its artifact, whose training config gives the axes on training settings; ``spec``: the
     run's method (built once by the pipeline; from ``cfg.method`` when the stage runs on its own).
@@ -66,12 +65,12 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
         if check_engine(cfg) != "draftlab":  # a serving engine: the run's draft exported, served, compared
             return served_evaluate(cfg, target, draft, draft_dir, run_dir, spec)
         with ExitStack() as stack:
-            others, bspecs = baseline_drafters(cfg, draft, stack, spec)
-            return _evaluate_here(cfg, target, drafter, run_dir, loggers, draft_dir, others, bspecs, spec)
+            baselines, bspecs = baseline_drafters(cfg, draft, stack, spec)
+            return _evaluate_here(cfg, target, drafter, run_dir, loggers, draft_dir, baselines, bspecs, spec)
 
 
 def _evaluate_here(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None, draft_dir: Path | None,
-                   others: dict[str, tuple[Any, GenerationConfig]], bspecs: dict[str, MethodSpec], spec: MethodSpec
+                   baselines: dict[str, tuple[Any, GenerationConfig]], bspecs: dict[str, MethodSpec], spec: MethodSpec
                    ) -> tuple[dict[str, Any], dict[str, float]]:
     # ``evaluate`` with draftlab's own engine, the baselines built.
     from draftlab.eval.runner import format_comparison, format_table, run_benchmark
@@ -80,31 +79,32 @@ def _evaluate_here(cfg: DictConfig, target, drafter, run_dir: Path, loggers: lis
     bench = instantiate(cfg.bench, _convert_="object")
     questions = bench.load(tokenizer=target.tokenizer)
     gen = generation_config(cfg, drafter)
-    if AR_SCORE_NAME in others:
-        raise ConfigError(f"the name '{AR_SCORE_NAME}' is the AR baseline's in the scores; rename this baseline",
-                          field=f"eval.baselines.{AR_SCORE_NAME}")
+    if AR_NAME in baselines:
+        raise ConfigError(f"the name '{AR_NAME}' is autoregressive decoding's (its answers and scores); rename this "
+                          "baseline", field=f"eval.baselines.{AR_NAME}")
     labels = {n: b.label for n, b in bspecs.items()}
     labels[spec.name] = spec.label
     trained = trained_method_config(draft_dir)
     res = run_benchmark(target, questions, drafter, gen, run_dir, bench=bench.name, method=spec.name,
-                        warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"), others=others,
+                        warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"), baselines=baselines,
                         timing=timing)
     table = format_table(res)
     print(table)
     atomic_write_text(run_dir / "eval_table.txt", table + "\n")
     metrics = res.flat_metrics()
-    baselines = {}
-    if res.others:
+    compared = {}
+    if res.baselines:
         comparison = format_comparison(res, labels)
         print(comparison)
         atomic_write_text(run_dir / "eval_comparison.txt", comparison + "\n")
-        for name, r in res.others.items():
+        for name, r in res.baselines.items():
             metrics.update(r.flat_metrics(prefix=f"baselines/{name}"))
-            baselines[name] = {"method": r.method, "label": labels[name], "axes": bspecs[name].axes(trained if bspecs[name].trainable else None),
+            compared[name] = {"method": r.method, "label": labels[name], "axes": bspecs[name].axes(trained if bspecs[name].trainable else None),
                                "columns": dict(r.metrics["columns"]) | {"AVG": r.metrics["AVG"]},
                                "categories": r.metrics["categories"],
                                "accept_lengths": {str(k): v for k, v in r.accept_histogram.items()},
-                               "mismatches_vs_ar": r.mismatches_vs_ar, "answer_files": r.answer_files}
+                               "mismatches_vs_ar": r.mismatches_vs_ar, "answer_files": r.answer_files,
+                               "questions": r.metrics.get("questions")}
     record = {"bench": bench.name, "method": spec.name, "label": spec.label, "temperature": gen.temperature,
               "axes": spec.axes(trained), "method_config": {k: v for k, v in spec.resolved().items() if k != "axes"},
               "max_new_tokens": gen.max_new_tokens,
@@ -112,7 +112,9 @@ def _evaluate_here(cfg: DictConfig, target, drafter, run_dir: Path, loggers: lis
               "categories": res.metrics["categories"],
               "accept_lengths": {str(k): v for k, v in res.accept_histogram.items()},
               "mismatches_vs_ar": res.mismatches_vs_ar, "answer_files": res.answer_files,
-              "baselines": baselines, "timing": timing}
+              # per question: accepted tokens, rounds, method and AR tok/s (intervals, paired comparisons)
+              "questions": res.metrics.get("questions"),
+              "baselines": compared, "timing": timing}
     scores = _reference_scores(bench, questions, res)
     if scores:
         print(format_scores(bench.name, scores))
@@ -135,12 +137,12 @@ def eval_timing(cfg: DictConfig) -> str:
 
 def _reference_scores(bench, questions, res) -> dict[str, dict[str, Any]]:
     """Reference-found scores of AR, the method and each baseline, for a bench that scores some categories
-    (``bench.scored``); ``{}`` for the others (Spec-Bench, MT-bench) and when no scored question ran."""
+    (``bench.scored``); ``{}`` for the rest (Spec-Bench, MT-bench) and when no scored question ran."""
     scored = getattr(bench, "scored", None)
     if scored is None:
         return {}
-    files = {AR_SCORE_NAME: res.answer_files["baseline"], res.method: res.answer_files[res.method]}
-    files.update({name: r.answer_files[name] for name, r in res.others.items()})
+    files = {AR_NAME: res.answer_files[AR_NAME], res.method: res.answer_files[res.method]}
+    files.update({name: r.answer_files[name] for name, r in res.baselines.items()})
     return bench_scores(scored, questions, files)
 
 
@@ -192,10 +194,21 @@ def _log_to_wandb(loggers: list, res, metrics: dict[str, float]) -> None:
     run.log({k: v for k, v in metrics.items() if k.startswith("eval/")})
     from draftlab.eval.runner import report_groups
 
-    cols = ["column", "n_questions", "tau", "speedup", "method_tps", "baseline_tps"]
+    cols = ["column", "n_questions", "tau", "tau_ci_lo", "tau_ci_hi", "speedup", "speedup_ci_lo", "speedup_ci_hi",
+            "method_tps", "ar_tps"]
     groups = report_groups(res.metrics)
-    table = wandb.Table(columns=cols, data=[[c] + [m.get(k) for k in cols[1:]] for c, m in groups.items()])
+    table = wandb.Table(columns=cols, data=[[c] + [_cell(m, k) for k in cols[1:]] for c, m in groups.items()])
+    # The run's headline numbers with their intervals, where runs are filtered and compared without opening them.
+    run.summary.update({k: v for k, v in metrics.items() if k.startswith(f"eval/{res.bench}/AVG/")})
     hist = wandb.Table(columns=["accept_length", "rounds"], data=[[int(k), int(v)] for k, v in res.accept_histogram.items()])
     run.log({f"eval/{res.bench}/table": table,
              f"eval/{res.bench}/accept_lengths": wandb.plot.bar(hist, "accept_length", "rounds",
                                                                  title="accepted tokens per round")})
+
+
+def _cell(group: dict, key: str):
+    """A group's value, or one bound of its interval for ``<metric>_ci_lo`` / ``<metric>_ci_hi``."""
+    if key.endswith(("_ci_lo", "_ci_hi")):
+        ci = group.get(key[:-3])
+        return None if not ci else ci[0 if key.endswith("_lo") else 1]
+    return group.get(key)

@@ -52,8 +52,8 @@ class Checked(Drafter):
         self.inner, self.vocab, self.scratch = inner, vocab, scratch
         self.trees = 0
 
-    def aux_layers(self, target):
-        return self.inner.aux_layers(target)
+    def taps(self, target):
+        return self.inner.taps(target)
 
     def verify_rows(self, cfg):
         return self.inner.verify_rows(cfg)

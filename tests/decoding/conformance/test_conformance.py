@@ -67,7 +67,7 @@ def test_builds_from_config(tiny_target, name):
     assert isinstance(drafter, Drafter)  # subclasses the protocol: the engine's defaults are inherited
     rows = drafter.verify_rows(GenerationConfig())
     assert rows is None or rows >= 1
-    taps = drafter.aux_layers(tiny_target)
+    taps = drafter.taps(tiny_target)
     if taps is not None:
         tiny_target.check_layer_ids(taps)
     drafter.close()  # what builds a drafter closes it

@@ -51,8 +51,8 @@ class ClaimsSampled(Drafter):
     def __init__(self, inner):
         self.inner = inner
 
-    def aux_layers(self, target):
-        return self.inner.aux_layers(target)
+    def taps(self, target):
+        return self.inner.taps(target)
 
     def verify_rows(self, cfg):
         return self.inner.verify_rows(cfg)

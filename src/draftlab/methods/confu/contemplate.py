@@ -83,7 +83,7 @@ def contemplate(target, cache, soft_prompts: torch.Tensor | PinnedKV, con_embed:
     Runs ``s + K`` rows per sequence through ``target.forward_with_grad``: under grad mode, gradients
     reach ``soft_prompts`` and ``con_embed`` (through the frozen target) and nothing else, since the
     cached prefix is constant. Contemplate rows do not see each other. ``aux_layer_ids``: the taps to
-    read (target's convention; the draft's ``tapped_layers``); None = the target's default taps.
+    read (target's convention; the draft's ``taps``); None = the target's default taps.
     ``soft_prompts`` may be their ``PinnedKV`` (inference: no gradient, keys computed once).
     """
     if isinstance(soft_prompts, PinnedKV):

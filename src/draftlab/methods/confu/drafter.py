@@ -37,20 +37,20 @@ FutureKV = list[tuple[torch.Tensor, torch.Tensor]]
 class ConFuDrafter(Drafter):
     """Proposes EAGLE-2 dynamic trees with a :class:`ConFuDraft` and adds contemplate rows to verify passes.
 
-    ``top_k`` / ``depth`` / ``total_tokens`` as for ``Eagle3Drafter`` (``self.tree``, which does the tree
-    and the draft cache). A verify pass has ``2 * (total_tokens + 1)`` rows, plus ``num_soft_prompts`` with
+    ``branching`` / ``depth`` / ``nodes`` as for ``Eagle3Drafter`` (``self.tree``, which does the tree
+    and the draft cache). A verify pass has ``2 * (nodes + 1)`` rows, plus ``num_soft_prompts`` with
     ``cache_soft_prompts=False`` (``verify_rows``, which the engine reserves). ``tree: auto`` sizes each
     round's tree as EAGLE-3's does, pricing every node at two verify rows (itself and its contemplate row).
     """
 
-    def __init__(self, draft: ConFuDraft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
+    def __init__(self, draft: ConFuDraft, *, branching: int = 10, depth: int = 5, nodes: int = 60,
                  cache_soft_prompts: bool = True, tree: str = "fixed", dtype=None, head_dtype=None,
                  full_vocab: bool = False):
         if not isinstance(draft, ConFuDraft):
             raise TypeError(f"ConFuDrafter needs a ConFuDraft, got {type(draft).__name__} "
                             "(ConFuDraft.from_eagle3 extends an EAGLE-3 draft)")
         # The tree knobs are EAGLE-3's (conf/method/confu.yaml composes eagle3.yaml): the tree drafter takes them.
-        self.tree = Eagle3Drafter(draft, top_k=top_k, depth=depth, total_tokens=total_tokens, tree=tree,
+        self.tree = Eagle3Drafter(draft, branching=branching, depth=depth, nodes=nodes, tree=tree,
                                   rows_per_node=2, dtype=dtype, head_dtype=head_dtype, full_vocab=full_vocab)
         self.draft = self.tree.draft
         self.cache_soft_prompts = cache_soft_prompts
@@ -63,8 +63,8 @@ class ConFuDrafter(Drafter):
     # ---- what the composed EAGLE-3 drafter already answers -------------------------------------------
 
     @property
-    def total_tokens(self) -> int:
-        return self.tree.total_tokens
+    def nodes(self) -> int:
+        return self.tree.nodes
 
     @property
     def num_committed(self) -> int:
@@ -81,13 +81,13 @@ class ConFuDrafter(Drafter):
     def check_compatible(self, target) -> None:
         self.tree.check_compatible(target)
 
-    def aux_layers(self, target) -> list[int]:
-        return self.tree.aux_layers(target)
+    def taps(self, target) -> list[int]:
+        return self.tree.taps(target)
 
     def verify_rows(self, cfg) -> int:
         """Rows of the largest verify pass: tree nodes + their contemplate rows (+ soft prompts as rows)."""
         soft = 0 if self.cache_soft_prompts else self.draft.config.num_soft_prompts
-        return 2 * (self.total_tokens + 1) + soft
+        return 2 * (self.nodes + 1) + soft
 
     # ---- soft prompts and the future token --------------------------------------------------------------
 
@@ -139,13 +139,13 @@ class ConFuDrafter(Drafter):
         aux = state.accepted_aux
         if aux is None:
             raise ValueError("ConFuDrafter needs the target's aux hidden states (the engine captures "
-                             "aux_layers(target))")
+                             "taps(target))")
         p = aux.shape[0]
         lag = 1 if p >= 2 else 0
         con = self.draft.contemplate_embedding(aux[p - 1 - lag].to(self.draft.fc.weight.device))  # [d_t]
         con_aux = contemplate(state.target, state.cache, self.soft_prompts(state.target), con[None, None],
                               torch.tensor([[p - 1]], device=con.device),
-                              aux_layer_ids=self.aux_layers(state.target))[0, 0]  # [3*d_t]
+                              aux_layer_ids=self.taps(state.target))[0, 0]  # [3*d_t]
         self._future, self._future_anchor = None, -1
         self._next_future = (self._future_for(con_aux, aux[p - 1], p - 1), p - 1)
         self.anchors = [(p - 1, lag)]

@@ -115,7 +115,7 @@ class ConFuModule(TTTHooks, L.LightningModule):
         attn = batch.get("attention_mask")
         B, T = ids.shape
         cache = self.target.new_cache(B, T)
-        taps = self.draft.tapped_layers(self.target)
+        taps = self.draft.taps(self.target)
         with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):  # the target in its own precision
             out = self.target.forward(ids, cache=cache, request=PassRequest(aux=taps))
         cache.commit(T)

@@ -49,7 +49,7 @@ class ConFuReplay(Eagle3Replay):
         with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
             no_logits = torch.arange(0, device=target.device)  # no LM head rows
             out = target.forward(tokens[None].to(target.device), cache=cache,
-                                 request=PassRequest(aux=draft.tapped_layers(target), logits_rows=no_logits))
+                                 request=PassRequest(aux=draft.taps(target), logits_rows=no_logits))
         cache.commit(T)
         return TargetPass(out.aux_hidden, cache)
 
@@ -67,7 +67,7 @@ class ConFuReplay(Eagle3Replay):
         T = aux.shape[1]
         lags = torch.cat([rows[:1].clamp(max=1), rows[1:] - rows[:-1]])  # [M] back to the previous anchor
         con_aux = contemplate(target, features.cache, draft.soft_prompts, draft.contemplate_embedding(aux[:, rows - lags]),
-                              rows[None], aux_layer_ids=draft.tapped_layers(target))  # [1, M, 3*d_t]
+                              rows[None], aux_layer_ids=draft.taps(target))  # [1, M, 3*d_t]
         f = draft.future_vector(con_aux)  # [1, M, d]
         e_f = draft.future_embedding(aux[:, rows])  # [1, M, d]
         future_kv = draft.future_kv(e_f, f, rows[None])  # per layer ([1, Hkv, M, hd], [1, Hkv, M, hd])

@@ -103,9 +103,9 @@ class DFlashDrafter(Drafter):
 
     # ---- what the engine must provide ------------------------------------------------------------------
 
-    def aux_layers(self, target) -> list[int]:
+    def taps(self, target) -> list[int]:
         """The draft's taps, named in ``target``'s layer convention."""
-        return self.draft.tapped_layers(target)
+        return self.draft.taps(target)
 
     def verify_rows(self, cfg) -> int:
         """The chain: root + ``block_size - 1`` proposals."""
@@ -119,7 +119,7 @@ class DFlashDrafter(Drafter):
         if c.hidden_size != g.hidden_size or c.vocab_size != g.vocab_size:
             raise ValueError(f"draft hidden_size={c.hidden_size}, vocab_size={c.vocab_size} but the target has "
                              f"{g.hidden_size}, {g.vocab_size}: DFlash shares the target's embedding and LM head")
-        bad = [i for i in self.draft.tapped_layers(target) if not 0 <= i < g.num_layers]
+        bad = [i for i in self.draft.taps(target) if not 0 <= i < g.num_layers]
         if bad:
             raise ValueError(f"draft taps {c.target_layer_ids} ({c.layer_convention}) name layers {bad} that a "
                              f"{g.num_layers}-layer target does not have")
@@ -142,7 +142,7 @@ class DFlashDrafter(Drafter):
         self.check_compatible(state.target)
         if state.accepted_aux is None:
             raise ValueError("DFlashDrafter needs the target's tapped hidden states (the engine captures "
-                             "aux_layers(target) at prefill)")
+                             "taps(target) at prefill)")
         p = state.accepted_aux.shape[0]
         if len(state.tokens) != p + 1:
             raise ValueError(f"expected prompt + root ({p + 1} tokens) after prefill, got {len(state.tokens)}")

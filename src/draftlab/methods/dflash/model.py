@@ -172,7 +172,7 @@ class DFlashDraft(nn.Module):
         self._need_shared()
         return F.linear(hidden, self.lm_head_weight, self.lm_head_bias)
 
-    def tapped_layers(self, target) -> list[int]:
+    def taps(self, target) -> list[int]:
         """The target layers this draft reads, named in ``target``'s layer convention."""
         c = self.config
         return [to_convention(i, c.layer_convention, target.layer_convention) for i in c.target_layer_ids]

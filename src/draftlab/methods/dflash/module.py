@@ -3,7 +3,7 @@
 Feature modes (chosen per batch by what the batch holds):
 
 - **online**: tokens only; the frozen target runs inside the step under ``no_grad`` and returns the
-  tapped layers (``aux_layer_ids = draft.tapped_layers(target)``); its LM head is skipped, because
+  tapped layers (``aux_layer_ids = draft.taps(target)``); its LM head is skipped, because
   DFlash trains on the (target-regenerated) tokens themselves, not on target logits;
 - **offline**: the batch also holds ``aux [B, T, n_taps*d]`` read from a feature store (``data.py``).
 
@@ -72,7 +72,7 @@ class DFlashModule(L.LightningModule):
             # Right padding + causal attention: padded rows never reach real ones. No LM head (empty rows).
             no_logits = torch.arange(0, device=batch["input_ids"].device)
             out = self.target.forward(batch["input_ids"], request=PassRequest(
-                aux=self.draft.tapped_layers(self.target), logits_rows=no_logits))
+                aux=self.draft.taps(self.target), logits_rows=no_logits))
         return out.aux_hidden
 
     def block_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None):

@@ -40,7 +40,7 @@ class DFlashReplay:
         with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
             no_logits = torch.arange(0, device=target.device)  # no LM head rows
             out = target.forward(tokens[None].to(target.device),
-                                 request=PassRequest(aux=draft.tapped_layers(target), logits_rows=no_logits))
+                                 request=PassRequest(aux=draft.taps(target), logits_rows=no_logits))
         return out.aux_hidden
 
     def logprobs(self, draft: DFlashDraft, target, tokens: torch.Tensor, roots: torch.Tensor,

@@ -60,8 +60,8 @@ def _weights_version(module: torch.nn.Module) -> tuple[tuple[int, int], ...]:
 class Eagle3Drafter(Drafter):
     """Proposes EAGLE-2 dynamic trees with an EAGLE-3 draft; the engine captures the draft's three taps.
 
-    ``top_k`` is the branching factor and frontier width, ``depth`` the number of tree levels (``depth``
-    calls of the expansion, ``depth - 1`` draft forwards per round), ``total_tokens`` the number of
+    ``branching`` is the branching factor and frontier width, ``depth`` the number of tree levels (``depth``
+    calls of the expansion, ``depth - 1`` draft forwards per round), ``nodes`` the number of
     draft nodes kept (the root excluded), as in ``decoding.dynamic_tree.build_dynamic_tree``. Candidates are
     chosen by top-k, so the trees are deterministic and sampling stays exact through the shared verifier.
 
@@ -73,21 +73,21 @@ class Eagle3Drafter(Drafter):
     unchanged, only the proposals may differ.
     ``full_vocab``: the reference path, every row's log-probs over the whole target vocabulary and top-k
     there (what this drafter did before it worked in the draft vocabulary; same trees, slower).
-    ``tree``: ``fixed`` keeps ``total_tokens`` nodes every round; ``auto`` sizes each round's tree (at most
-    ``total_tokens`` nodes, at most ``depth`` levels) for expected tokens per second from the measured verify
+    ``tree``: ``fixed`` keeps ``nodes`` draft tokens every round; ``auto`` sizes each round's tree (at most
+    ``nodes`` nodes, at most ``depth`` levels) for expected tokens per second from the measured verify
     cost of the target and the draft's own scores (``decoding.budget.TreeBudget``, ``self.budget``).
 
     One drafter serves one sequence at a time: ``reset`` starts the draft cache afresh.
     """
 
-    def __init__(self, draft: Eagle3Draft, *, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
+    def __init__(self, draft: Eagle3Draft, *, branching: int = 10, depth: int = 5, nodes: int = 60,
                  dtype: str | torch.dtype | None = None, head_dtype: str | torch.dtype | None = None,
                  full_vocab: bool = False, tree: str = "fixed", rows_per_node: int = 1):
-        if top_k < 1 or depth < 0 or total_tokens < 0:
-            raise ValueError(f"need top_k >= 1, depth >= 0, total_tokens >= 0; "
-                             f"got {top_k}, {depth}, {total_tokens}")
+        if branching < 1 or depth < 0 or nodes < 0:
+            raise ValueError(f"need branching >= 1, depth >= 0, nodes >= 0; "
+                             f"got {branching}, {depth}, {nodes}")
         self.draft = draft.eval()
-        self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
+        self.branching, self.depth, self.nodes = branching, depth, nodes
         own = self.draft.fc.weight.dtype
         self.dtype = _as_dtype(dtype) or own
         self.head_dtype = _as_dtype(head_dtype) or self.dtype
@@ -158,7 +158,7 @@ class Eagle3Drafter(Drafter):
         the device when it is not on the target's (its cache would live there too, and every round's
         features would be copied over).
 
-        The target's own default taps do not matter: the engine captures the draft's (``aux_layers``).
+        The target's own default taps do not matter: the engine captures the draft's (``taps``).
         """
         check_on_target_device(self._compute, target, what=f"the {type(self.draft).__name__}")
         c = self.draft.config
@@ -172,7 +172,7 @@ class Eagle3Drafter(Drafter):
         if len(c.aux_layer_ids) != 3:
             raise ValueError(f"draft aux_layer_ids={c.aux_layer_ids}: the draft does not say which 3 target "
                              "hidden states it was trained on")
-        converted = self.draft.tapped_layers(target)
+        converted = self.draft.taps(target)
         bad = [i for i in converted if not 0 <= i < g.num_layers]
         if bad:
             conv = getattr(target.layer_convention, "value", target.layer_convention)
@@ -182,13 +182,13 @@ class Eagle3Drafter(Drafter):
 
     # ---- the drafter protocol: what the engine must provide ----------------------------------------------
 
-    def aux_layers(self, target) -> list[int]:
+    def taps(self, target) -> list[int]:
         """The draft's three taps, named in ``target``'s layer convention."""
-        return self.draft.tapped_layers(target)
+        return self.draft.taps(target)
 
     def verify_rows(self, cfg) -> int:
-        """Tree nodes of the largest tree: the root plus ``total_tokens`` proposals."""
-        return self.total_tokens + 1
+        """Tree nodes of the largest tree: the root plus ``nodes`` proposals."""
+        return self.nodes + 1
 
     # ---- building blocks (composed by methods that extend EAGLE-3) -----------------------------------------
 
@@ -199,7 +199,7 @@ class Eagle3Drafter(Drafter):
         self.check_compatible(state.target)
         if state.accepted_aux is None:
             raise ValueError(f"{type(self).__name__} needs the target's aux hidden states (the engine captures "
-                             "aux_layers(target))")
+                             "taps(target))")
         p = state.accepted_aux.shape[0]
         if len(state.tokens) != p + 1:
             raise ValueError(f"expected prompt + root ({p + 1} tokens) after prefill, "
@@ -225,7 +225,7 @@ class Eagle3Drafter(Drafter):
         device = rows.device
         reference = rows.reference
         tree_side = SideKeys(side.kv) if side is not None else None
-        max_candidates = 1 + self.top_k + max(self.depth - 1, 0) * self.top_k ** 2
+        max_candidates = 1 + self.branching + max(self.depth - 1, 0) * self.branching ** 2
         # Host bookkeeping, like the tree's own (tree-sized): the cache row of each candidate.
         slot = torch.full((max_candidates,), -1, dtype=torch.long)  # [Cmax]
         # Output state of each expanded candidate's row (candidate 0, the root: the last committed row).
@@ -236,7 +236,7 @@ class Eagle3Drafter(Drafter):
             if batch.depth == 0:
                 if reference:
                     return rows.root_logprobs[None]  # [1, V]
-                return rows.top_candidates(rows.root_draft_logprobs[None], self.top_k)  # [1, k]
+                return rows.top_candidates(rows.root_draft_logprobs[None], self.branching)  # [1, k]
             f, c = batch.node_ids.shape[0], batch.num_candidates
             hidden = states[batch.parents.to(device)]  # [F, d] the rows that proposed the frontier
             # Growing first keeps the slot numbers below valid for the cache the rows are written to.
@@ -255,7 +255,7 @@ class Eagle3Drafter(Drafter):
                 h, out = rows.run(ids, hidden, positions, mask, tree_side)  # [F, d], [F, V]
             else:
                 h, logp = rows.step(ids, hidden, positions, mask, tree_side)  # [F, d], [F, V_d]
-                out = rows.top_candidates(logp, self.top_k)  # [F, k]
+                out = rows.top_candidates(logp, self.branching)  # [F, k]
             rows.cache.commit(f)
             states[batch.node_ids.to(device)] = h
             return out
@@ -263,8 +263,8 @@ class Eagle3Drafter(Drafter):
         if self.budget is not None:
             self.budget.context = len(state.tokens)  # the verify pass attends over all of them
         try:
-            return build_dynamic_tree(state.root, expand, top_k=self.top_k, depth=self.depth,
-                                      total_tokens=self.total_tokens, budget=self.budget)
+            return build_dynamic_tree(state.root, expand, branching=self.branching, depth=self.depth,
+                                      nodes=self.nodes, budget=self.budget)
         finally:
             rows.rollback()
 

@@ -310,7 +310,7 @@ class Eagle3Draft(nn.Module):
         c, w = self.config, self.fc.weight
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, max_length, dtype=w.dtype, device=w.device)
 
-    def tapped_layers(self, target) -> list[int]:
+    def taps(self, target) -> list[int]:
         """The target layers this draft reads, named in ``target``'s layer convention."""
         c = self.config
         return [to_convention(i, c.layer_convention, target.layer_convention) for i in c.aux_layer_ids]

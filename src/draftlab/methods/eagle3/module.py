@@ -88,7 +88,7 @@ class Eagle3Module(TTTHooks, L.LightningModule):
             # Right padding + causal attention: padded rows never reach real ones, as in the offline store.
             with torch.autocast(batch["input_ids"].device.type, enabled=False):
                 out = self.target.forward(batch["input_ids"],
-                                          request=PassRequest(aux=self.draft.tapped_layers(self.target)))
+                                          request=PassRequest(aux=self.draft.taps(self.target)))
         return out.aux_hidden, out.logits
 
     def loss(self, batch: dict[str, torch.Tensor]):

@@ -37,7 +37,7 @@ class Eagle3Replay:
         """The target's tapped states ``[1, T, 3*d_t]`` over ``tokens [T]`` (no gradient, target precision)."""
         with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
             out = target.forward(tokens[None].to(target.device),
-                                 request=PassRequest(aux=draft.tapped_layers(target)))
+                                 request=PassRequest(aux=draft.taps(target)))
         return out.aux_hidden
 
     def prepare(self, draft: Eagle3Draft, target, tokens: torch.Tensor, rows: torch.Tensor, features

@@ -76,8 +76,8 @@ class HybridDrafter(Drafter):
         self._maps: list[list[int] | None] = [None, None]
         self._rounds = self._learned_rounds = 0
 
-    def aux_layers(self, target):
-        return self.learned.aux_layers(target)
+    def taps(self, target):
+        return self.learned.taps(target)
 
     def verify_rows(self, cfg) -> int | None:
         rows = [d.verify_rows(cfg) for d in (self.learned, self.lookup)]

@@ -31,7 +31,7 @@ from draftlab.methods.eagle3.export.validate import (
 def chain_knobs(k: int) -> dict[str, int]:
     """The drafter knobs of a chain of ``k`` draft tokens: what a served ``num_speculative_tokens: k`` drafts
     (one candidate per depth), so draftlab's τ is measured on the same shape as the engine's."""
-    return {"top_k": 1, "depth": int(k), "total_tokens": int(k)}
+    return {"branching": 1, "depth": int(k), "nodes": int(k)}
 
 
 __all__ = ["EXPORT_FORMATS", "chain_knobs", "check_valid", "detect_source", "draft_from_lightning_checkpoint", "export_checkpoint",

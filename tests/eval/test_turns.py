@@ -1,6 +1,6 @@
 from draftlab.data.benchmarks import Question
 from draftlab.decoding.engine import GenerationConfig
-from draftlab.eval.answer import answer_question
+from draftlab.eval.turns import answer_question
 from draftlab.methods.prompt_lookup import PromptLookupDrafter
 
 

@@ -1,7 +1,7 @@
 """Answer a benchmark question turn by turn, as Spec-Bench and MT-bench do.
 
 The second turn is conditioned on the model's *own* first answer (not a reference answer), so a
-speculative method and the AR baseline see exactly the conversation each of them produced.
+speculative method and AR see exactly the conversation each of them produced.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class TurnAnswer:
 
 def answer_question(target, question: Question, *, drafter=None, cfg: GenerationConfig | None = None
                     ) -> list[TurnAnswer]:
-    """All turns of ``question``; ``drafter=None`` is the AR baseline through the same cache and sampling."""
+    """All turns of ``question``; ``drafter=None`` is AR through the same cache and sampling."""
     tok = target.tokenizer
     messages: list[dict] = []
     answers = []
