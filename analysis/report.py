@@ -4,7 +4,10 @@ Every positional path is one *source* (a run directory, a sweep directory or a `
 records become *entries*. When every source holds exactly one eval record the entries are compared
 directly; otherwise entries are grouped by setting (bench, draft nodes, temperature) and compared within
 each setting, so two sweeps over the same grid line up cell by cell. The first entry of a group (or the
-one named by ``--reference``) is the reference the deltas are taken against.
+one named by ``--reference``) is the reference the deltas are taken against. Where both records carry
+per-question rows (``eval.questions``) a delta shows its paired bootstrap interval over the questions both
+answered and a ``*`` when that interval excludes 0 (``draftlab.eval.uncertainty``); older records get the
+bare delta and a line saying why.
 
 Output goes to ``--out DIR``: ``report.md`` with PNGs beside it, and/or ``report.html`` with the same
 PNGs embedded as base64 so the file stands alone. Figures are drawn with Matplotlib's Agg canvas
@@ -28,17 +31,22 @@ from analysis.report_model import (
     TableBlock,
     _dedupe,
     _delta,
-    _fmt,
+    _delta_interval,
     _relative,
     _reorder,
     _slug,
+    _value_interval,
     collect_entries,
     comparison_groups,
+    has_value_intervals,
+    paired_deltas,
+    question_rows,
 )
 from analysis.report_plots import plot_bars, plot_curves, plot_survival
 from analysis.report_render import publish_wandb_report, render_html, render_markdown, write_report
 from analysis.results import TABLE_COLUMNS, Record, RecordError, format_temperature, load_records
 from draftlab.eval.metrics import accept_length_survival
+from draftlab.eval.uncertainty import DEFAULT_RESAMPLES
 
 __all__ = ["DEFAULT_CURVES", "Entry", "Heading", "Image", "Para", "Report", "TableBlock", "build_report",
            "collect_entries", "comparison_groups", "main", "plot_bars", "plot_curves", "plot_survival",
@@ -109,12 +117,15 @@ def _add_group(report: Report, out_dir: Path, g: int, group_title: str, group: l
                   f"autoregressive decoding. Reference: {ref.name}."))
     blocks.append(Heading(3, "Values (τ / SR)"))
     blocks.append(TableBlock(["Entry", *TABLE_COLUMNS], [
-        [e.name] + [f"{_fmt(e.record.value(c, 'tau'), precision)} / {_fmt(e.record.value(c, 'speedup'), precision)}"
-                    for c in TABLE_COLUMNS] for e in group]))
+        [e.name] + [f"{_value_interval(e.record, c, 'tau', precision)} / "
+                    f"{_value_interval(e.record, c, 'speedup', precision)}" for c in TABLE_COLUMNS] for e in group]))
+    if any(has_value_intervals(e.record) for e in group):
+        levels = {(e.record.eval.get("interval") or {}).get("level") for e in group if has_value_intervals(e.record)}
+        level = f"{levels.pop():.0%} " if len(levels) == 1 and None not in levels else ""
+        blocks.append(Para(f"Brackets (and error bars in the figures): the evaluation's {level}bootstrap interval "
+                           f"over questions (SR paired with AR)."))
     if len(group) > 1:
-        blocks.append(Heading(3, f"Δ vs {ref.name} (Δτ / ΔSR)"))
-        blocks.append(TableBlock(["Entry", *TABLE_COLUMNS, "AVG relative"],
-                                 [_delta_row(e, ref, precision) for e in group[1:]]))
+        _add_deltas(blocks, group, precision)
     for metric, symbol in METRICS:
         path = plot_bars(group, metric, symbol, out_dir / f"group{g}_{metric}.png", f"{symbol} per column — {group_title}")
         _add_image(report, path, f"{symbol} per column, {group_title}")
@@ -130,9 +141,39 @@ def _add_group(report: Report, out_dir: Path, g: int, group_title: str, group: l
         _add_image(report, path, f"acceptance survival, {group_title}")
 
 
-def _delta_row(e: Entry, ref: Entry, precision: int) -> list[str]:
+def _add_deltas(blocks: list, group: list[Entry], precision: int) -> None:
+    """Deltas against the group's first entry: with the paired interval where both records carry per-question
+    rows and answered the same questions, bare otherwise, with a line saying which and why."""
+    ref = group[0]
+    rows, paired, apart = [], [], []
+    for e in group[1:]:
+        deltas, why = paired_deltas(e, ref)
+        rows.append(_delta_row(e, ref, precision, deltas))
+        if deltas is not None:
+            paired.append(e.name)
+        elif why:
+            apart.append(f"{e.name}: {why}")
+    lacking = [e.name for e in group if question_rows(e.record) is None]
+    blocks.append(Heading(3, f"Δ vs {ref.name} (Δτ / ΔSR)"))
+    blocks.append(TableBlock(["Entry", *TABLE_COLUMNS, "AVG relative"], rows))
+    if paired:
+        blocks.append(Para(f"Brackets: 95% paired bootstrap interval of the difference, resampling the questions "
+                           f"both runs answered ({DEFAULT_RESAMPLES} resamples); * marks an interval that excludes 0."))
+    if lacking:
+        blocks.append(Para(f"Bare deltas: intervals need records with per-question answers (eval.questions), "
+                           f"which {', '.join(lacking)} {'lack' if len(lacking) > 1 else 'lacks'}."))
+    for line in apart:
+        blocks.append(Para(f"No interval for {line}."))
+
+
+def _delta_row(e: Entry, ref: Entry, precision: int, deltas: dict[str, dict | None] | None = None) -> list[str]:
     row = [e.name]
     for c in TABLE_COLUMNS:
+        if deltas is not None:
+            cell = deltas[c] or {}
+            row.append(f"{_delta_interval(cell.get('tau'), precision)} / "
+                       f"{_delta_interval(cell.get('speedup'), precision)}")
+            continue
         row.append(f"{_delta(e.record.value(c, 'tau'), ref.record.value(c, 'tau'), precision)} / "
                    f"{_delta(e.record.value(c, 'speedup'), ref.record.value(c, 'speedup'), precision)}")
     row.append(f"{_relative(e.record.value('AVG', 'tau'), ref.record.value('AVG', 'tau'))} / "
@@ -233,8 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"draftlab-report: error: no run records under {', '.join(empty)}", file=sys.stderr)
         return 2
     train_curves = None if args.curves == ["all"] else args.curves
-    report = build_report(sources, args.out, title=args.title, reference=args.reference, precision=args.precision,
-                          train_curves=train_curves)
+    try:
+        report = build_report(sources, args.out, title=args.title, reference=args.reference,
+                              precision=args.precision, train_curves=train_curves)
+    except RecordError as exc:  # a malformed eval.questions is only read while the deltas are laid out
+        print(f"draftlab-report: error: {exc}", file=sys.stderr)
+        return 2
     for path in write_report(report, args.out, args.format):
         print(f"draftlab-report: wrote {path}", file=sys.stderr)
     if args.wandb_project:

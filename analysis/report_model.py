@@ -1,5 +1,5 @@
-"""The report as data: document blocks (rendered by ``analysis.report_render``) and the grouping of eval
-entries into comparisons."""
+"""The report as data: document blocks (rendered by ``analysis.report_render``), the grouping of eval
+entries into comparisons, and the paired per-question differences behind the delta intervals."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from analysis.results import Record, format_temperature, sort_key
+from analysis.results import TABLE_COLUMNS, Record, RecordError, format_temperature, sort_key
+from draftlab.data.benchmarks import category_column
+from draftlab.data.errors import DataError
+from draftlab.eval.uncertainty import align_questions, paired_difference
 
 
 @dataclass
@@ -60,6 +63,32 @@ def _delta(v: float | None, ref: float | None, precision: int = 2) -> str:
     return f"{v - ref:+.{precision}f}"
 
 
+def _delta_interval(d: dict[str, Any] | None, precision: int = 2) -> str:
+    """``+0.12 [+0.05, +0.19] *``: a paired difference, its interval, and ``*`` when the interval excludes 0."""
+    if d is None or d["diff"] is None:
+        return "–"
+    text = f"{d['diff']:+.{precision}f}"
+    if d["ci"] is not None:
+        lo, hi = d["ci"]
+        text += f" [{lo:+.{precision}f}, {hi:+.{precision}f}]"
+    return text + (" *" if d["excludes_zero"] else "")
+
+
+def _value_interval(record: Record, column: str, key: str, precision: int = 2) -> str:
+    """A table value with the interval the evaluation stored beside it (``<key>_ci``), when there is one."""
+    text = _fmt(record.value(column, key), precision)
+    ci = (record.columns.get(column) or {}).get(f"{key}_ci")
+    if text != "–" and isinstance(ci, list) and len(ci) == 2 and all(isinstance(v, (int, float)) for v in ci):
+        text += f" [{ci[0]:.{precision}f}, {ci[1]:.{precision}f}]"
+    return text
+
+
+def has_value_intervals(record: Record) -> bool:
+    """Whether any of the record's table cells carries a stored interval (``tau_ci`` / ``speedup_ci``)."""
+    return any(isinstance(cell, dict) and ("tau_ci" in cell or "speedup_ci" in cell)
+               for cell in record.columns.values())
+
+
 def _relative(v: float | None, ref: float | None) -> str:
     if v is None or not ref:
         return "–"
@@ -71,7 +100,7 @@ def _slug(text: str) -> str:
 
 
 def _setting(r: Record) -> tuple:
-    return (r.bench, r.draft_nodes, r.temperature)
+    return (r.bench, r.nodes, r.temperature)
 
 
 def _setting_title(setting: tuple) -> str:
@@ -118,3 +147,49 @@ def _reorder(group: list[Entry], reference: str | None) -> list[Entry]:
         return group
     picked = [e for e in group if e.name == reference or e.source == reference]
     return picked[:1] + [e for e in group if e is not picked[0]] if picked else group
+
+
+_ROW_KEYS = ("question_id", "category", "accepted", "rounds", "tps", "ar_tps")
+
+
+def question_rows(record: Record) -> list[dict] | None:
+    """The per-question rows of an eval record (``eval.questions``: what its τ and SR were computed from),
+    or None for a record written before they were kept."""
+    rows = record.eval.get("questions")
+    if not rows:
+        return None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(k in r for k in _ROW_KEYS) for r in rows):
+        raise RecordError(f"{record.path}: 'eval.questions' must be a list of objects with keys {', '.join(_ROW_KEYS)}")
+    return rows
+
+
+def _in_column(rows: list[dict], column: str) -> list[dict]:
+    # AVG pools every question, as the evaluation's AVG does; a category without a column is only in AVG.
+    if column == "AVG":
+        return list(rows)
+
+    def column_of(category: str) -> str | None:
+        try:
+            return category_column(category)
+        except DataError:
+            return None
+
+    return [r for r in rows if column_of(r["category"]) == column]
+
+
+def paired_deltas(entry: Entry, ref: Entry) -> tuple[dict[str, dict | None] | None, str | None]:
+    """``({column: paired_difference(entry, ref) or None}, None)`` over the table columns, each pairing the
+    questions both records answered; ``(None, why)`` when either record has no per-question rows
+    (``why`` is ``""``) or the two answered different questions (``why`` says how)."""
+    rows, ref_rows = question_rows(entry.record), question_rows(ref.record)
+    if rows is None or ref_rows is None:
+        return None, ""
+    try:
+        align_questions(rows, ref_rows, names=(entry.name, ref.name))
+    except DataError as exc:
+        return None, str(exc)
+    out: dict[str, dict | None] = {}
+    for column in TABLE_COLUMNS:
+        mine, theirs = _in_column(rows, column), _in_column(ref_rows, column)
+        out[column] = paired_difference(mine, theirs) if mine else None
+    return out, None

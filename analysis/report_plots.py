@@ -20,19 +20,25 @@ def _figure(width: float, height: float):
 
 
 def plot_bars(entries: Sequence[Entry], metric: str, symbol: str, path: Path, title: str) -> Path:
-    """Grouped bars: one group per table column, one bar per entry; missing cells are left out."""
+    """Grouped bars: one group per table column, one bar per entry; missing cells are left out. An entry whose
+    every plotted cell carries its interval (``<metric>_ci``, records with per-question answers) gets error bars."""
     fig = _figure(12, 4)
     ax = fig.subplots()
     n = max(1, len(entries))
     width = 0.8 / n
     for k, e in enumerate(entries):
-        xs, ys = [], []
+        xs, ys, errs = [], [], []
         for j, col in enumerate(TABLE_COLUMNS):
             v = e.record.value(col, metric)
             if v is not None:
                 xs.append(j - 0.4 + width * (k + 0.5))
                 ys.append(v)
-        ax.bar(xs, ys, width=width, label=e.name)
+                ci = (e.record.columns.get(col) or {}).get(f"{metric}_ci")
+                # A percentile interval need not hold its point value (a skewed resampling): clip at the bar.
+                errs.append((max(0.0, v - ci[0]), max(0.0, ci[1] - v)) if isinstance(ci, list) and len(ci) == 2
+                            else None)
+        yerr = None if not errs or None in errs else [[lo for lo, _ in errs], [hi for _, hi in errs]]
+        ax.bar(xs, ys, width=width, label=e.name, yerr=yerr, capsize=2 if yerr else 0)
     ax.set_xticks(range(len(TABLE_COLUMNS)), TABLE_COLUMNS)
     ax.set_ylabel(symbol)
     ax.set_title(title)

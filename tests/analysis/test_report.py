@@ -13,6 +13,8 @@ from PIL import Image as PILImage
 
 from analysis.report import Heading, Image, Para, Report, TableBlock, build_report, main, publish_wandb_report
 from analysis.results import RecordWarning, load_records
+from draftlab.eval.metrics import speed_metrics
+from draftlab.eval.uncertainty import paired_difference
 from tests.analysis.synthetic import columns, make_record, write_sweep
 
 
@@ -183,3 +185,111 @@ def test_curves_all_plots_every_logged_metric(two_runs, tmp_path):
     assert main([str(t), "--out", str(out), "--curves", "all"]) == 0
     assert sorted(p.name for p in out.glob("train_*.png")) == [
         "train_train_loss.png", "train_train_ploss_3.png", "train_val_simulated_tau.png"]
+
+
+def _answer(qid, category, accept_lengths, tps):
+    tokens = sum(accept_lengths)
+    return {"question_id": qid, "category": category, "answer_id": f"a{qid}", "model_id": "m", "tstamp": 0.0,
+            "choices": [{"index": 0, "turns": ["x"], "decoding_steps": [len(accept_lengths)], "new_tokens": [tokens],
+                         "wall_time": [tokens / tps], "accept_lengths": accept_lengths}]}
+
+
+# Four writing (WRIT) and four coding (CODE) questions, four verify rounds each. The second run accepts one
+# more token in two of the four rounds on every writing question (τ +0.5 on each) and, on coding, +0.5 and
+# -0.5 on alternate questions; it is 10 % faster on writing and as fast on coding.
+_EAGLE = [[2, 2, 2, 2], [2, 3, 3, 3], [3, 3, 3, 3], [2, 2, 3, 3], [3, 3, 3, 3], [2, 3, 3, 3], [3, 3, 4, 4], [2, 2, 3, 3]]
+_STEP = [[1, 1, 0, 0], [-1, -1, 0, 0]]
+_AR_TPS = [20.0, 30.0, 25.0, 40.0, 22.0, 35.0, 28.0, 31.0]
+_EAGLE_TPS = [50.0, 66.0, 70.0, 90.0, 60.0, 70.0, 80.0, 75.0]
+
+
+def _category(i):
+    return "writing" if i < 4 else "coding"
+
+
+def _eval_record(label, *, better: bool, drop: int | None = None, rows: bool = True) -> dict:
+    method, ar = [], []
+    for i, (accept, tps, ar_tps) in enumerate(zip(_EAGLE, _EAGLE_TPS, _AR_TPS)):
+        if i == drop:
+            continue
+        if better:
+            step = _STEP[0] if i < 4 or i % 2 == 0 else _STEP[1]
+            accept, tps = [a + s for a, s in zip(accept, step)], tps * (1.1 if i < 4 else 1.0)
+        method.append(_answer(i, _category(i), accept, tps))
+        ar.append(_answer(i, _category(i), [1] * 10, ar_tps))
+    m = speed_metrics(method, ar)
+    record = make_record(label=label, cols=dict(m["columns"]) | {"AVG": m["AVG"]})
+    if rows:
+        record["eval"]["questions"] = m["questions"]
+        record["eval"]["interval"] = m["interval"]
+    return record
+
+
+def test_deltas_carry_paired_intervals(tmp_path):
+    a = _single(tmp_path, "eagle", _eval_record("EAGLE-3", better=False))
+    b = _single(tmp_path, "confu", _eval_record("ConFu", better=True))
+    out = tmp_path / "report"
+    assert main([str(a), str(b), "--out", str(out), "--format", "both"]) == 0
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    cells = dict(zip(["WRIT", "RP", "CODE", "EXT", "STEM", "HUM", "SUMM", "TRAN", "QA", "RAG", "M/R", "AVG"],
+                     _table_rows(md, "Δ vs eagle")["confu"]))
+    tau_writ, sr_writ = cells["WRIT"].split(" / ")
+    # every writing question gains exactly 0.5: every resample of them does too
+    assert tau_writ == "+0.50 [+0.50, +0.50] *"
+    # coding: +0.5, -0.5, +0.5, -0.5 (equal rounds). A resample of four questions that are all -0.5
+    # (or all +0.5) has probability 2 / 16 each way, more than 2.5 %, so the 95 % interval is [-0.5, +0.5]
+    tau_code, sr_code = cells["CODE"].split(" / ")
+    assert tau_code == "+0.00 [-0.50, +0.50]"
+    # SR on writing: 10 % faster on every question, so every resample is better (the interval excludes 0)
+    eagle_rows = _eval_record("x", better=False)["eval"]["questions"]
+    confu_rows = _eval_record("x", better=True)["eval"]["questions"]
+    writing = paired_difference([r for r in confu_rows if r["category"] == "writing"],
+                                [r for r in eagle_rows if r["category"] == "writing"])["speedup"]
+    lo, hi = writing["ci"]
+    assert writing["diff"] > 0 and lo > 0
+    assert sr_writ == f"{writing['diff']:+.2f} [{lo:+.2f}, {hi:+.2f}] *"
+    assert sr_code == "+0.00 [+0.00, +0.00]"  # the same speed on every coding question
+    # AVG pools all eight questions: (4 x 2 + 2 - 2 + 2 - 2 accepted) / 32 rounds = +0.25
+    assert cells["AVG"].split(" / ")[0].startswith("+0.25 [")
+    assert cells["RAG"] == "– / –"  # no questions in that column
+    note = "Brackets: 95% paired bootstrap interval of the difference"
+    assert note in md and note in html and "Bare deltas" not in md
+    # the values carry the evaluation's own intervals: WRIT of eagle τ 2.5625 over (2, 2.75, 3, 2.5)
+    values = _table_rows(md, "Values")
+    assert values["eagle"][0].startswith("2.56 [2.") and " / " in values["eagle"][0]
+    assert "the evaluation's 95% bootstrap interval over questions" in md
+
+
+def test_deltas_without_rows_are_bare_with_a_note(tmp_path):
+    a = _single(tmp_path, "eagle", _eval_record("EAGLE-3", better=False, rows=False))
+    b = _single(tmp_path, "confu", _eval_record("ConFu", better=True))
+    out = tmp_path / "report"
+    assert main([str(a), str(b), "--out", str(out), "--format", "both"]) == 0
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    writ = _table_rows(md, "Δ vs eagle")["confu"][0]
+    assert writ.startswith("+0.50 / +") and "[" not in writ
+    note = "Bare deltas: intervals need records with per-question answers (eval.questions), which eagle lacks."
+    assert note in md and note in html
+    assert "paired bootstrap interval" not in md
+
+
+def test_deltas_over_different_questions_are_bare(tmp_path):
+    a = _single(tmp_path, "eagle", _eval_record("EAGLE-3", better=False))
+    b = _single(tmp_path, "confu", _eval_record("ConFu", better=True, drop=5))
+    out = tmp_path / "report"
+    assert main([str(a), str(b), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "[" not in _table_rows(md, "Δ vs eagle")["confu"][0]
+    assert ("No interval for confu: the runs answered different questions: 0 only in confu (none), "
+            "1 only in eagle (5).") in md
+
+
+def test_malformed_question_rows_are_a_one_line_error(tmp_path, capsys):
+    bad = _eval_record("ConFu", better=True)
+    bad["eval"]["questions"] = [{"question_id": 1}]
+    a = _single(tmp_path, "eagle", _eval_record("EAGLE-3", better=False))
+    b = _single(tmp_path, "confu", bad)
+    assert main([str(a), str(b), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "confu/record.json: 'eval.questions' must be a list of objects with keys question_id" in err
+    assert len(err.splitlines()) == 1

@@ -133,7 +133,7 @@ def test_mismatched_questions_are_refused():
     with pytest.raises(DataError, match="different questions: 0 only in the first \\(none\\), 1 only in the second"):
         paired_difference(BASE[:-1], BASE)
     recategorised = [dict(r, category="coding") if r["question_id"] == 3 else r for r in BASE]
-    with pytest.raises(DataError, match="question 3 is 'writing' in one run and 'coding' in the other"):
+    with pytest.raises(DataError, match="question 3 is 'writing' in the first and 'coding' in the second"):
         paired_difference(BASE, recategorised)
     with pytest.raises(DataError, match="different questions"):
         pooled_interval([BASE, other])

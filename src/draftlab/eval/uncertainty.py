@@ -139,25 +139,28 @@ def mean_of_groups_intervals(groups: Sequence[Sequence[Row]], *, resamples: int 
             "speedup_ci": percentile_interval(np.mean(srs, axis=0), level) if srs else None}
 
 
-def align_questions(rows_a: Sequence[Row], rows_b: Sequence[Row]) -> list[Row]:
-    """``rows_b`` reordered to ``rows_a``'s question order; the two must hold the same questions."""
+def align_questions(rows_a: Sequence[Row], rows_b: Sequence[Row], names: tuple[str, str] = ("the first", "the second")
+                    ) -> list[Row]:
+    """``rows_b`` reordered to ``rows_a``'s question order; the two must hold the same questions (``names``
+    are the two runs' names in the error)."""
     by_id: dict[Any, Row] = {}
     for r in rows_b:
         if r["question_id"] in by_id:
-            raise DataError(f"question {r['question_id']!r} appears twice in the second run's rows")
+            raise DataError(f"question {r['question_id']!r} appears twice in {names[1]}'s rows")
         by_id[r["question_id"]] = r
     ids_a = [r["question_id"] for r in rows_a]
     if len(set(ids_a)) != len(ids_a):
-        raise DataError("a question appears twice in the first run's rows")
+        raise DataError(f"a question appears twice in {names[0]}'s rows")
     only_a = [q for q in ids_a if q not in by_id]
     only_b = [q for q in by_id if q not in set(ids_a)]
     if only_a or only_b:
-        raise DataError(f"the runs answered different questions: {len(only_a)} only in the first "
-                        f"({_shown(only_a)}), {len(only_b)} only in the second ({_shown(only_b)})")
+        raise DataError(f"the runs answered different questions: {len(only_a)} only in {names[0]} "
+                        f"({_shown(only_a)}), {len(only_b)} only in {names[1]} ({_shown(only_b)})")
     for r in rows_a:
         other = by_id[r["question_id"]]["category"]
         if other != r["category"]:
-            raise DataError(f"question {r['question_id']!r} is {r['category']!r} in one run and {other!r} in the other")
+            raise DataError(f"question {r['question_id']!r} is {r['category']!r} in {names[0]} and {other!r} in "
+                            f"{names[1]}")
     return [by_id[q] for q in ids_a]
 
 
