@@ -100,7 +100,7 @@ def _add_runs(report: Report, entries: list[Entry]) -> None:
         ["Entry", "Kind", "Label", "Method", "Target", "Bench", "Nodes", "T", "TTT length", "Mismatches vs AR",
          "Commit", "Record"],
         [[e.name, e.record.kind, e.record.label, e.record.method or "–", e.record.target or "–",
-          e.record.bench or "–", _fmt_int(e.record.draft_nodes), format_temperature(e.record.temperature) or "–",
+          e.record.bench or "–", _fmt_int(e.record.nodes), format_temperature(e.record.temperature) or "–",
           _fmt_int(e.record.ttt_length), _fmt_int(e.record.mismatches_vs_ar),
           (e.record.get("git.commit") or "–")[:10] + ("+dirty" if e.record.get("git.dirty") else ""),
           str(e.record.path)] for e in entries], align="llllllrrrrll"))

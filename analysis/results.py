@@ -53,10 +53,12 @@ TABLE_COLUMNS: list[str] = [*CONFU_COLUMNS, "AVG"]
 CELL_KEYS = ("tau", "speedup", "n_questions", "method_tps", "ar_tps")
 # Cell names older records used -> the name cells carry now.
 OLD_CELL_KEYS = {"baseline_tps": "ar_tps"}
+# Setting names older run configs used -> the name settings carry now (README "Glossary").
+OLD_SETTING_NAMES = {"top_k": "top_k_sampling"}
 # Evaluation settings (``eval.<name>``, else the run config's ``eval.<name>`` / ``bench.<name>``) that change
 # what a row's τ and SR mean besides bench, target, temperature and the method's axes: tables key rows by them.
 EVAL_SETTINGS = (("max_new_tokens", "eval"), ("timing", "eval"), ("max_turns", "eval"), ("top_p", "eval"),
-                 ("top_k_sampling", "eval"), ("categories", "bench"), ("per_category", "bench"), ("limit", "bench"))
+                 ("top_k", "eval"), ("categories", "bench"), ("per_category", "bench"), ("limit", "bench"))
 
 
 class RecordError(ValueError):
@@ -150,18 +152,16 @@ class Record:
         """Tree nodes per round (axis ``nodes``); None for methods without a tree budget."""
         return self.axis("nodes")
 
-    @property
-    def draft_nodes(self) -> int | None:
-        """The former name of :attr:`nodes`, still read by ``analysis/report.py``."""
-        return self.nodes
-
     def eval_setting(self, name: str) -> Any:
         """One of :data:`EVAL_SETTINGS`: the ``eval`` block's value, else the run config's (``None`` when
         neither says); lists come back as tuples so that settings can key rows."""
         section = dict(EVAL_SETTINGS)[name]
         value = self.eval.get(name) if section == "eval" else None
         if value is None:
-            value = ((self.data.get("config") or {}).get(section) or {}).get(name)
+            block = (self.data.get("config") or {}).get(section) or {}
+            value = block.get(name)
+            if value is None and name in OLD_SETTING_NAMES:  # a record written before the rename
+                value = block.get(OLD_SETTING_NAMES[name])
         return tuple(value) if isinstance(value, list) else value
 
     @property

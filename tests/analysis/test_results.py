@@ -172,5 +172,5 @@ def test_eval_settings_come_from_the_eval_block_else_the_run_config(tmp_path):
                          bench={"categories": ["coding"], "per_category": 3, "limit": None})
     r = Record(path=tmp_path / "record.json", data=rec)
     assert r.eval_settings == {"max_new_tokens": 64, "timing": "decode", "max_turns": 1, "top_p": None,
-                               "top_k_sampling": None, "categories": ("coding",), "per_category": 3, "limit": None}
+                               "top_k": None, "categories": ("coding",), "per_category": 3, "limit": None}
     assert Record(path=tmp_path / "record.json", data=make_record(label="x")).eval_setting("timing") is None

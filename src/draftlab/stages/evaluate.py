@@ -104,7 +104,7 @@ def _evaluate_here(cfg: DictConfig, target, drafter, run_dir: Path, loggers: lis
                                "categories": r.metrics["categories"],
                                "accept_lengths": {str(k): v for k, v in r.accept_histogram.items()},
                                "mismatches_vs_ar": r.mismatches_vs_ar, "answer_files": r.answer_files,
-                               "questions": r.metrics.get("questions")}
+                               "questions": r.metrics.get("questions"), "interval": r.metrics.get("interval")}
     record = {"bench": bench.name, "method": spec.name, "label": spec.label, "temperature": gen.temperature,
               "axes": spec.axes(trained), "method_config": {k: v for k, v in spec.resolved().items() if k != "axes"},
               "max_new_tokens": gen.max_new_tokens,
@@ -113,7 +113,7 @@ def _evaluate_here(cfg: DictConfig, target, drafter, run_dir: Path, loggers: lis
               "accept_lengths": {str(k): v for k, v in res.accept_histogram.items()},
               "mismatches_vs_ar": res.mismatches_vs_ar, "answer_files": res.answer_files,
               # per question: accepted tokens, rounds, method and AR tok/s (intervals, paired comparisons)
-              "questions": res.metrics.get("questions"),
+              "questions": res.metrics.get("questions"), "interval": res.metrics.get("interval"),
               "baselines": compared, "timing": timing}
     scores = _reference_scores(bench, questions, res)
     if scores:
