@@ -46,7 +46,7 @@ from analysis.report_plots import plot_bars, plot_curves, plot_survival
 from analysis.report_render import publish_wandb_report, render_html, render_markdown, write_report
 from analysis.results import TABLE_COLUMNS, Record, RecordError, format_temperature, load_records
 from draftlab.eval.metrics import accept_length_survival
-from draftlab.eval.uncertainty import DEFAULT_RESAMPLES
+from draftlab.eval.uncertainty import DEFAULT_RESAMPLES, MIN_QUESTIONS
 
 __all__ = ["DEFAULT_CURVES", "Entry", "Heading", "Image", "Para", "Report", "TableBlock", "build_report",
            "collect_entries", "comparison_groups", "main", "plot_bars", "plot_curves", "plot_survival",
@@ -158,7 +158,8 @@ def _add_deltas(blocks: list, group: list[Entry], precision: int) -> None:
     blocks.append(TableBlock(["Entry", *TABLE_COLUMNS, "AVG relative"], rows))
     if paired:
         blocks.append(Para(f"Brackets: 95% paired bootstrap interval of the difference, resampling the questions "
-                           f"both runs answered ({DEFAULT_RESAMPLES} resamples); * marks an interval that excludes 0."))
+                           f"both runs answered ({DEFAULT_RESAMPLES} resamples); * marks an interval that excludes 0. "
+                           f"A column of fewer than {MIN_QUESTIONS} questions shows the bare difference."))
     if lacking:
         blocks.append(Para(f"Bare deltas: intervals need records with per-question answers (eval.questions), "
                            f"which {', '.join(lacking)} {'lack' if len(lacking) > 1 else 'lacks'}."))

@@ -12,7 +12,7 @@ from typing import Any
 from analysis.results import TABLE_COLUMNS, Record, RecordError, format_temperature, sort_key
 from draftlab.data.benchmarks import category_column
 from draftlab.data.errors import DataError
-from draftlab.eval.uncertainty import align_questions, paired_difference
+from draftlab.eval.uncertainty import MIN_QUESTIONS, align_questions, paired_difference
 
 
 @dataclass
@@ -77,7 +77,10 @@ def _delta_interval(d: dict[str, Any] | None, precision: int = 2) -> str:
 def _value_interval(record: Record, column: str, key: str, precision: int = 2) -> str:
     """A table value with the interval the evaluation stored beside it (``<key>_ci``), when there is one."""
     text = _fmt(record.value(column, key), precision)
-    ci = (record.columns.get(column) or {}).get(f"{key}_ci")
+    cell = record.columns.get(column) or {}
+    ci = cell.get(f"{key}_ci")
+    if (cell.get("n_questions") or 0) < MIN_QUESTIONS:
+        ci = None  # written before intervals needed MIN_QUESTIONS questions: too few to mean anything
     if text != "–" and isinstance(ci, list) and len(ci) == 2 and all(isinstance(v, (int, float)) for v in ci):
         text += f" [{ci[0]:.{precision}f}, {ci[1]:.{precision}f}]"
     return text
@@ -191,5 +194,8 @@ def paired_deltas(entry: Entry, ref: Entry) -> tuple[dict[str, dict | None] | No
     out: dict[str, dict | None] = {}
     for column in TABLE_COLUMNS:
         mine, theirs = _in_column(rows, column), _in_column(ref_rows, column)
-        out[column] = paired_difference(mine, theirs) if mine else None
+        diff = paired_difference(mine, theirs) if mine else None
+        if diff is not None and len(mine) < MIN_QUESTIONS:  # too few questions for an interval: the bare difference
+            diff = {**diff, **{k: {**diff[k], "ci": None, "excludes_zero": False} for k in ("tau", "speedup")}}
+        out[column] = diff
     return out, None

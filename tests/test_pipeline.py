@@ -47,9 +47,9 @@ def test_eval_training_free_method_writes_answers_and_record(tmp_path, monkeypat
     rows = record["eval"]["questions"]
     assert sorted(r["question_id"] for r in rows) == sorted(a["question_id"] for a in method)
     assert sum(r["accepted"] for r in rows) == sum(sum(a["choices"][0]["accept_lengths"]) for a in method)
-    avg = record["eval"]["columns"]["AVG"]
-    assert avg["tau_ci"][0] <= avg["tau"] <= avg["tau_ci"][1]
-    assert record["metrics"][f"eval/{record['eval']['bench']}/AVG/tau_ci_lo"] == avg["tau_ci"][0]
+    # Two questions are too few for an interval: none is claimed (the table prints "-", no W&B bound).
+    assert record["eval"]["interval"]["min_questions"] > 2 and record["eval"]["columns"]["AVG"]["tau_ci"] is None
+    assert not any(k.endswith("_ci_lo") for k in record["metrics"])
     # MT-bench scores nothing against references, and times over wall clock by default.
     assert "scores" not in record["eval"] and record["eval"]["timing"] == "wall"
 

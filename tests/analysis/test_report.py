@@ -14,7 +14,7 @@ from PIL import Image as PILImage
 from analysis.report import Heading, Image, Para, Report, TableBlock, build_report, main, publish_wandb_report
 from analysis.results import RecordWarning, load_records
 from draftlab.eval.metrics import speed_metrics
-from draftlab.eval.uncertainty import paired_difference
+from draftlab.eval.uncertainty import MIN_QUESTIONS, paired_difference
 from tests.analysis.synthetic import columns, make_record, write_sweep
 
 
@@ -217,7 +217,7 @@ def _eval_record(label, *, better: bool, drop: int | None = None, rows: bool = T
             accept, tps = [a + s for a, s in zip(accept, step)], tps * (1.1 if i < 4 else 1.0)
         method.append(_answer(i, _category(i), accept, tps))
         ar.append(_answer(i, _category(i), [1] * 10, ar_tps))
-    m = speed_metrics(method, ar)
+    m = speed_metrics(method, ar, min_questions=1)  # intervals on groups this small, to check their arithmetic
     record = make_record(label=label, cols=dict(m["columns"]) | {"AVG": m["AVG"]})
     if rows:
         record["eval"]["questions"] = m["questions"]
@@ -225,7 +225,10 @@ def _eval_record(label, *, better: bool, drop: int | None = None, rows: bool = T
     return record
 
 
-def test_deltas_carry_paired_intervals(tmp_path):
+def test_deltas_carry_paired_intervals(tmp_path, monkeypatch):
+    import analysis.report_model as report_model
+
+    monkeypatch.setattr(report_model, "MIN_QUESTIONS", 4)  # the four-question columns here get intervals
     a = _single(tmp_path, "eagle", _eval_record("EAGLE-3", better=False))
     b = _single(tmp_path, "confu", _eval_record("ConFu", better=True))
     out = tmp_path / "report"
@@ -258,6 +261,20 @@ def test_deltas_carry_paired_intervals(tmp_path):
     values = _table_rows(md, "Values")
     assert values["eagle"][0].startswith("2.56 [2.") and " / " in values["eagle"][0]
     assert "the evaluation's 95% bootstrap interval over questions" in md
+
+
+def test_columns_with_too_few_questions_show_bare_deltas(tmp_path):
+    # By default a column needs MIN_QUESTIONS questions: the four-question columns show the bare difference,
+    # with no interval and no mark, while AVG (eight questions) keeps its interval.
+    a = _single(tmp_path, "eagle", _eval_record("EAGLE-3", better=False))
+    b = _single(tmp_path, "confu", _eval_record("ConFu", better=True))
+    out = tmp_path / "report"
+    assert main([str(a), str(b), "--out", str(out), "--format", "md"]) == 0
+    md = (out / "report.md").read_text()
+    cells = _table_rows(md, "Δ vs eagle")["confu"]
+    assert MIN_QUESTIONS > 4 and cells[0].split(" / ")[0] == "+0.50"  # WRIT: bare, not "[+0.50, +0.50] *"
+    assert cells[11].split(" / ")[0].startswith("+0.25 [")
+    assert f"fewer than {MIN_QUESTIONS} questions shows the bare difference" in md
 
 
 def test_deltas_without_rows_are_bare_with_a_note(tmp_path):

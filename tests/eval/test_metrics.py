@@ -19,7 +19,7 @@ from draftlab.eval.metrics import (
     speed_metrics,
 )
 from draftlab.eval.turns import TurnAnswer
-from draftlab.eval.uncertainty import group_intervals
+from draftlab.eval.uncertainty import MIN_QUESTIONS, group_intervals
 
 
 def _answer(qid, category, turns, new_tokens, wall_time, accept_lengths):
@@ -203,10 +203,10 @@ def test_question_rows_are_the_per_question_sums():
 
 
 def test_groups_carry_rows_and_intervals(files):
-    m = speed_metrics(files["method"], files["ar"], resamples=500, seed=3)
+    m = speed_metrics(files["method"], files["ar"], resamples=500, seed=3, min_questions=1)
     assert m["questions"] == question_rows(METHOD, BASELINE)
     assert m["interval"] == {"method": "percentile bootstrap over questions", "resamples": 500, "level": 0.95,
-                             "seed": 3}
+                             "seed": 3, "min_questions": 1}
     # a single-question group cannot vary: its interval is its value
     assert m["columns"]["WRIT"]["tau_ci"] == [2.5, 2.5] and m["columns"]["CODE"]["speedup_ci"] == [1.5, 1.5]
     # M/R has two questions (tau 3.0 and 8/3, SR 6/2 and 4/2): of the 4 equally likely resamples of two,
@@ -220,12 +220,24 @@ def test_groups_carry_rows_and_intervals(files):
     for group in [m["AVG"], *m["columns"].values(), *m["categories"].values()]:
         assert group["tau_ci"][0] <= group["tau"] <= group["tau_ci"][1]
         assert group["speedup_ci"][0] <= group["speedup"] <= group["speedup_ci"][1]
-    assert speed_metrics(METHOD, BASELINE, resamples=500, seed=3) == m  # seeded: the same intervals again
-    assert speed_metrics(METHOD, BASELINE, resamples=500, seed=4)["AVG"]["tau_ci"] != m["AVG"]["tau_ci"]
+    assert speed_metrics(METHOD, BASELINE, resamples=500, seed=3, min_questions=1) == m  # seeded: the same again
+    assert speed_metrics(METHOD, BASELINE, resamples=500, seed=4, min_questions=1)["AVG"]["tau_ci"] != m["AVG"]["tau_ci"]
+
+
+def test_groups_of_few_questions_get_no_interval(files):
+    # By default a group needs MIN_QUESTIONS questions: the 4 questions here are too few for any interval,
+    # while the values themselves are unchanged.
+    m = speed_metrics(files["method"], files["ar"])
+    assert MIN_QUESTIONS > 4 and m["interval"]["min_questions"] == MIN_QUESTIONS
+    for group in [m["AVG"], *m["columns"].values(), *m["categories"].values()]:
+        assert group["tau_ci"] is None and group["speedup_ci"] is None
+    assert m["AVG"]["tau"] == speed_metrics(files["method"], files["ar"], min_questions=1)["AVG"]["tau"]
+    four = speed_metrics(files["method"], files["ar"], min_questions=4)
+    assert four["AVG"]["tau_ci"] is not None and four["columns"]["M/R"]["tau_ci"] is None
 
 
 def test_mean_of_columns_interval_resamples_within_columns():
-    m = speed_metrics(METHOD, BASELINE, avg="columns")
+    m = speed_metrics(METHOD, BASELINE, avg="columns", min_questions=1)
     # WRIT and CODE are fixed (one question each); only M/R moves, between 8/3 and 3.0, so the mean of
     # the three column τ ranges over (2.5 + 4.0 + [8/3, 3.0]) / 3
     assert m["AVG"]["tau_ci"] == pytest.approx([(6.5 + 8 / 3) / 3, (6.5 + 3.0) / 3])

@@ -44,6 +44,7 @@ from draftlab.eval.uncertainty import (
     DEFAULT_LEVEL,
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
+    MIN_QUESTIONS,
     group_intervals,
     mean_of_groups_intervals,
 )
@@ -187,6 +188,7 @@ def speed_metrics(
     resamples: int = DEFAULT_RESAMPLES,
     level: float = DEFAULT_LEVEL,
     seed: int = DEFAULT_SEED,
+    min_questions: int = MIN_QUESTIONS,
 ) -> dict[str, Any]:
     """τ and SR of a method against the AR answers, per category, per ConFu column and overall, with intervals.
 
@@ -218,7 +220,8 @@ def speed_metrics(
     ``timing`` picks what a question's throughput divides by (see the module docstring): ``"wall"``
     (Spec-Bench's) or ``"decode"`` (wall time less prefill time; needs ``prefill_time`` in both files).
     ``resamples``, ``level`` and ``seed`` set the bootstrap (``draftlab.eval.uncertainty``); a fixed seed
-    makes every interval reproducible.
+    makes every interval reproducible. A group of fewer than ``min_questions`` questions gets no interval
+    (``None``): resampling one or a few questions says nothing about the spread.
     """
     if avg not in ("pooled", "columns"):
         raise ValueError(f"avg must be 'pooled' or 'columns', got {avg!r}")
@@ -230,20 +233,28 @@ def speed_metrics(
     pairs = _paired(method, _records(ar_answers))
     rows = [_question_row(m, b, timing) for m, b in pairs]
     boot = {"resamples": resamples, "level": level, "seed": seed}
+
+    def intervals(group_rows):  # none below MIN_QUESTIONS questions (see draftlab.eval.uncertainty)
+        if len(group_rows) < min_questions:
+            return {"tau_ci": None, "speedup_ci": None}
+        return group_intervals(group_rows, **boot)
+
     pair_columns, pair_categories = _groups(pairs, lambda p: p[0]["category"], column_of)
     row_columns, row_categories = _groups(rows, lambda r: r["category"], column_of)
-    columns = {c: _summary(p, timing) | group_intervals(row_columns[c], **boot) for c, p in pair_columns.items()}
+    columns = {c: _summary(p, timing) | intervals(row_columns[c]) for c, p in pair_columns.items()}
     if avg == "pooled":
-        overall = _summary(pairs, timing) | group_intervals(rows, **boot)
+        overall = _summary(pairs, timing) | intervals(rows)
+    elif min(len(r) for r in row_columns.values()) < min_questions:  # a column too small to resample within
+        overall = _mean_of_columns(columns) | {"tau_ci": None, "speedup_ci": None}
     else:
         overall = _mean_of_columns(columns) | mean_of_groups_intervals(list(row_columns.values()), **boot)
     return {
         "columns": columns,
-        "categories": {c: _summary(p, timing) | group_intervals(row_categories[c], **boot)
+        "categories": {c: _summary(p, timing) | intervals(row_categories[c])
                        for c, p in pair_categories.items()},
         "AVG": overall,
         "questions": rows,
-        "interval": {"method": "percentile bootstrap over questions", **boot},
+        "interval": {"method": "percentile bootstrap over questions", **boot, "min_questions": min_questions},
         "avg": avg,
         "timing": timing,
     }

@@ -28,6 +28,10 @@ from draftlab.data.errors import DataError
 DEFAULT_RESAMPLES = 2000
 DEFAULT_LEVEL = 0.95
 DEFAULT_SEED = 0
+# Fewer questions than this get no interval where results are reported (eval records, tables, report deltas):
+# a bootstrap over one question has no spread at all and over a handful it badly understates the real one,
+# so a per-category cell of one question shows its bare value rather than a falsely tight interval.
+MIN_QUESTIONS = 5
 
 Row = Mapping[str, Any]  # one question: question_id, category, accepted, rounds, tps, ar_tps
 
