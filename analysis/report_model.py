@@ -158,7 +158,7 @@ _ROW_KEYS = ("question_id", "category", "accepted", "rounds", "tps", "ar_tps")
 def question_rows(record: Record) -> list[dict] | None:
     """The per-question rows of an eval record (``eval.questions``: what its τ and SR were computed from),
     or None for a record written before they were kept."""
-    rows = record.eval.get("questions")
+    rows = record.questions
     if not rows:
         return None
     if not isinstance(rows, list) or not all(isinstance(r, dict) and all(k in r for k in _ROW_KEYS) for r in rows):

@@ -13,8 +13,11 @@ multirun sweep being ``<sweep>/<job_num>/record.json``)::
               "axes": {"nodes": int, "ttt_length": int, ...},    # declared by conf/method/<m>.yaml
               "method_config": {...},                           # the resolved method config (drafter included)
               "max_new_tokens": int, "timing": str,
-              "columns": {"WRIT": {"tau", "speedup", "n_questions", "method_tps", "ar_tps"}, ..., "AVG": {...}},
+              "columns": {"WRIT": {"tau", "speedup", "n_questions", "method_tps", "ar_tps",
+                                   "tau_ci": [lo, hi], "speedup_ci": [lo, hi]}, ..., "AVG": {...}},
               "accept_lengths": {"1": count, ...}, "mismatches_vs_ar": int | null,
+              "questions": [{"question_id", "category", "accepted": int, "rounds": int, "tps", "ar_tps"}],  # τ, SR and
+              "interval": {"method", "resamples", "level", "seed", "min_questions"},  # *_ci come from (not in older records)
               "baselines": {name: {"method", "label", "axes", "columns", "categories", "accept_lengths",
                                    "mismatches_vs_ar"}}} | null,      # drafters run beside it (optional)
      "train": {"history": [{"step": int, "<metric>": float, ...}], "best": {...}} | null}
@@ -186,6 +189,11 @@ class Record:
         return columns_from_metrics(self.metrics, self.bench)
 
     @property
+    def questions(self) -> list[dict] | None:
+        """The per-question rows (``eval.questions``); None for a record written before they were kept."""
+        return list(self.eval["questions"]) if self.eval.get("questions") else None
+
+    @property
     def accept_lengths(self) -> dict[int, int]:
         """Histogram of per-round accept lengths (bonus included), keys as ints, sorted."""
         raw = self.eval.get("accept_lengths") or {}
@@ -253,6 +261,28 @@ def columns_from_metrics(metrics: dict, bench: str | None = None) -> dict[str, d
     return {col: _renamed_cell(cell) for col, cell in out.items()}
 
 
+# One row of eval.questions: its question, accepted tokens and verify rounds, method and AR tok/s.
+_QUESTION_CHECKS = (("question_id", lambda v: isinstance(v, (str, int)) and not isinstance(v, bool), "a string or int"),
+                    ("category", lambda v: isinstance(v, str), "a string"),
+                    ("accepted", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a non-negative int"),
+                    ("rounds", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a non-negative int"),
+                    ("tps", lambda v: _is_number(v) and v >= 0, "a non-negative number"),
+                    ("ar_tps", lambda v: _is_number(v) and v >= 0, "a non-negative number"))
+
+
+def question_problem(rows: Any, where: str) -> str | None:
+    """What is wrong with the per-question rows at ``where`` (``eval.questions``), or None when nothing is."""
+    rule = f"'{where}' must be a list of objects with keys {', '.join(k for k, _, _ in _QUESTION_CHECKS)}"
+    if rows is not None and not isinstance(rows, list):
+        return f"{rule}, got {type(rows).__name__}"
+    for i, row in enumerate(rows or ()):
+        bad = [(k, what) for k, ok, what in _QUESTION_CHECKS if not ok(row.get(k))] if isinstance(row, dict) else []
+        if not isinstance(row, dict) or bad:
+            return (f"{rule}: '{where}[{i}]' is {row!r}" if not bad
+                    else f"{rule}: '{where}[{i}].{bad[0][0]}' must be {bad[0][1]}, got {row.get(bad[0][0])!r}")
+    return None
+
+
 def _check_record(data: dict, path: Path) -> None:
     def fail(message: str) -> RecordError:
         return RecordError(f"{path}: {message}")
@@ -302,6 +332,12 @@ def _check_record(data: dict, path: Path) -> None:
         for key in ("tau", "speedup"):
             if cell.get(key) is not None and not _is_number(cell[key]):
                 raise fail(f"'eval.columns.{column}.{key}' must be a finite number or null, got {cell[key]!r}")
+        for key in ("tau_ci", "speedup_ci"):
+            ci = cell.get(key)
+            if ci is not None and not (isinstance(ci, list) and len(ci) == 2 and all(map(_is_number, ci))):
+                raise fail(f"'eval.columns.{column}.{key}' must be [lo, hi] or null, got {ci!r}")
+    if problem := question_problem(ev.get("questions"), "eval.questions"):
+        raise fail(problem)
     for length, count in (ev.get("accept_lengths") or {}).items():
         if not re.fullmatch(r"\d+", str(length)) or not isinstance(count, int) or count < 0:
             raise fail(f"'eval.accept_lengths' entry {length!r}: {count!r} is not a length -> count")
@@ -359,7 +395,10 @@ def baseline_records(record: Record) -> list[Record]:
               "max_new_tokens": record.eval.get("max_new_tokens"), "method": b.get("method"),
               "label": b.get("label") or name, "axes": b.get("axes") or {}, "columns": b.get("columns") or {},
               "categories": b.get("categories") or {}, "accept_lengths": b.get("accept_lengths") or {},
-              "mismatches_vs_ar": b.get("mismatches_vs_ar"), "baseline_of": record.label}
+              "mismatches_vs_ar": b.get("mismatches_vs_ar"), "baseline_of": record.label,
+              "questions": b.get("questions"), "interval": b.get("interval")}
+        if problem := question_problem(b.get("questions"), f"eval.baselines.{name}.questions"):
+            raise RecordError(f"{record.path}: {problem}")
         data = {k: v for k, v in record.data.items() if k not in ("eval", "metrics", "train")}
         data.update(run_name=f"{record.run_name}/{name}", eval=ev, metrics={})
         out.append(Record(path=record.path, data=data))
@@ -392,7 +431,6 @@ def load_records(*paths: str | Path, kind: str | None = None, baselines: bool = 
                 if baselines:
                     out.extend(baseline_records(record))
     return out
-
 
 
 def eval_answer_files(path: str | Path) -> tuple[dict, dict[str, str]]:

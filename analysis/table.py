@@ -29,6 +29,19 @@ with its own TTT length in ``table1``).
 A row any of whose records ran from a tree with uncommitted changes (``git.dirty``) has its label marked
 ``†``; a row with a record that does not say (no commit or dirty flag) is marked ``‡``, not passed as
 clean. A note under the table says what each mark shown means.
+
+Intervals (``--ci``, ``build_table(ci=True)``): each τ and SR cell is printed ``value ± h``, ``h`` being half
+the width of the cell's percentile-bootstrap interval over questions, ``(hi - lo) / 2`` (SR paired with AR;
+:mod:`draftlab.eval.uncertainty`). Half the width rather than the larger distance from the point because a
+pooled row's printed value is not the interval's own point (below); a percentile interval need not be
+centred, so ``±`` summarises its width, and the bounds themselves are in the records. A row of one record
+shows its stored ``tau_ci`` / ``speedup_ci`` (computed from its questions when it stored none). A row pooling
+repeats keeps the value printed without ``--ci`` (the mean of its records' values) and takes ``h`` from
+:func:`~draftlab.eval.uncertainty.pooled_interval` over the records' question rows in that column (all of them
+for AVG), which resamples the questions once for all runs and the runs themselves, so it adds the run-to-run
+spread. Bootstrap settings (resamples, level, seed, fewest questions) are the first record's ``eval.interval``.
+A row whose records lack per-question answers, or whose repeats answered different questions, prints bare
+values, and a line under the table names it; so does a cell of too few questions to resample.
 """
 
 from __future__ import annotations
@@ -48,7 +61,15 @@ from analysis.table_keys import (
     select,
     setting_text,
 )
-from analysis.table_model import PROVENANCE_MARKS, PROVENANCE_NOTES, Row, Table, TableError, provenance
+from analysis.table_model import (
+    PROVENANCE_MARKS,
+    PROVENANCE_NOTES,
+    Row,
+    Table,
+    TableError,
+    add_intervals,
+    provenance,
+)
 from analysis.table_render import render_latex, render_markdown
 
 __all__ = ["LAYOUTS", "PROVENANCE_MARKS", "PROVENANCE_NOTES", "Row", "Table", "TableError", "build_table",
@@ -84,9 +105,11 @@ def build_table(
     settings: Sequence[str] | None = None,
     duplicates: str = "mean",
     precision: int = 2,
+    ci: bool = False,
 ) -> Table:
     """Rows and cells of one layout from eval records; filters as the CLI's options (``settings``:
-    ``NAME=VALUE`` strings, as ``--setting``).
+    ``NAME=VALUE`` strings, as ``--setting``). ``ci``: each cell gets the half-width of its bootstrap
+    interval (module docstring, "Intervals"); without it cells hold bare values and nothing else changes.
 
     ``labels`` both filters and orders the method rows (else first appearance order). Each row is one
     configuration (:func:`analysis.table_keys.config_key`); see the module docstring for what is pooled.
@@ -118,8 +141,8 @@ def build_table(
         return tuple(sort_key(g) for g in group), tuple(sort_key(w) for w in within)
 
     table = Table(layout, list(spec.headers), list(spec.metrics), list(TABLE_COLUMNS), precision=precision)
-    for key in sorted(configs, key=placement):
-        group_records = configs[key]
+    row_records = [configs[key] for key in sorted(configs, key=placement)]
+    for group_records in row_records:
         group, printed, _ = spec.keyed(group_records[0])
         values = {col: {m: _mean([r.value(col, m) for r in group_records]) for m in table.metrics}
                   for col in table.columns}
@@ -127,6 +150,8 @@ def build_table(
                  for h, k in zip(table.key_headers, printed)]
         table.rows.append(Row(group=group, keys=cells, values=values, n_runs=len(group_records),
                               provenance=provenance(group_records)))
+    if ci:
+        add_intervals(table, row_records)
     if any(row.n_runs > 1 for row in table.rows):  # say what is pooled, only where something is
         table.key_headers.append("Runs")
         for row in table.rows:
@@ -169,6 +194,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep only records whose setting NAME (an axis such as block_size, or an evaluation "
                         "setting such as max_new_tokens, timing, per_category) is VALUE (repeatable)")
     p.add_argument("--precision", type=int, default=2, help="decimals printed (default 2)")
+    p.add_argument("--ci", action="store_true",
+                   help="print each tau and SR as 'value ± h', h being half the width of its 95%% bootstrap "
+                        "interval over questions (SR paired with AR; the level is the records' eval.interval): "
+                        "a one-run row's stored interval, a pooled row's interval over its runs and questions "
+                        "(the value stays the mean of the runs); rows whose records have no per-question answers "
+                        "print bare values and are named under the table")
     p.add_argument("--duplicates", choices=("mean", "error"), default="mean",
                    help="repeats of one configuration (same settings; other seeds, drafts or runs): average "
                         "them in one row whose Runs column counts them (default), or fail")
@@ -197,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise TableError("these records hold served evaluations (eval.engine=vllm|sglang): use --layout served")
         table = build_table(records, args.layout, labels=args.labels, bench=args.bench, target=args.target,
                             nodes=args.nodes, temperatures=args.temperatures, ttt_lengths=args.ttt_lengths,
-                            settings=args.settings, duplicates=args.duplicates, precision=args.precision)
+                            settings=args.settings, duplicates=args.duplicates, precision=args.precision,
+                            ci=args.ci)
     except (RecordError, TableError) as exc:
         print(f"draftlab-table: error: {exc}", file=sys.stderr)
         return 2

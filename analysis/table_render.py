@@ -7,6 +7,7 @@ from analysis.table_model import PROVENANCE_MARKS, PROVENANCE_NOTES, Row, Table
 METRIC_NAMES = {"tau": ("τ", r"$\tau$"), "speedup": ("SR", "SR")}
 MISSING_MD = "–"
 MISSING_TEX = "--"
+PLUS_MINUS_TEX = r"$\pm$"
 
 
 def _md_escape(text: str) -> str:
@@ -38,11 +39,13 @@ def _notes(table: Table) -> list[str]:
     return [p for p in PROVENANCE_MARKS if p in used]
 
 
-def _cell_text(table: Table, i: int, col: str, metric: str, best: set, bold: str, missing: str) -> str:
+def _cell_text(table: Table, i: int, col: str, metric: str, best: set, bold: str, missing: str, pm: str) -> str:
     s = table.fmt(table.rows[i].values.get(col, {}).get(metric))
     if s is None:
         return missing
-    return bold.format(s) if (i, col, metric) in best else s
+    s = bold.format(s) if (i, col, metric) in best else s
+    half = table.half_width(i, col, metric)  # bold stays on the value, the ± follows it
+    return s if half is None else f"{s} {pm} {table.fmt(half)}"
 
 
 def render_markdown(table: Table, *, cell: str = "split") -> str:
@@ -62,11 +65,13 @@ def render_markdown(table: Table, *, cell: str = "split") -> str:
     for i, row in enumerate(table.rows):
         cells = _marked(row, [MISSING_MD if k is None else _md_escape(k) for k in row.keys], 0)
         for col in table.columns:
-            parts = [_cell_text(table, i, col, m, best, "**{}**", MISSING_MD) for m in table.metrics]
+            parts = [_cell_text(table, i, col, m, best, "**{}**", MISSING_MD, "±") for m in table.metrics]
             cells += parts if split else [" / ".join(parts)]
         lines.append("| " + " | ".join(cells) + " |")
     for p in _notes(table):  # a paragraph each, so renderers keep them on their own lines
         lines += ["", f"{PROVENANCE_MARKS[p][0]} {PROVENANCE_NOTES[p]}."]
+    for note in table.ci_notes or ():
+        lines += ["", note]
     return "\n".join(lines) + "\n"
 
 
@@ -99,11 +104,12 @@ def render_latex(table: Table, *, cell: str = "split") -> str:
         previous = row.group
         cells = _marked(row, [MISSING_TEX if k is None else _tex_escape(k) for k in row.keys], 1)
         for col in table.columns:
-            parts = [_cell_text(table, i, col, m, best, r"\textbf{{{}}}", MISSING_TEX) for m in table.metrics]
+            parts = [_cell_text(table, i, col, m, best, r"\textbf{{{}}}", MISSING_TEX, PLUS_MINUS_TEX) for m in table.metrics]
             cells += parts if split else [" / ".join(parts)]
         lines.append(" & ".join(cells) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     # Below the tabular, inside whatever float holds it; \par puts each note on its own line.
     lines += [rf"\par{{\footnotesize {PROVENANCE_MARKS[p][1]} {_tex_escape(PROVENANCE_NOTES[p])}.}}"
               for p in _notes(table)]
+    lines += [rf"\par{{\footnotesize {_tex_escape(note).replace('±', PLUS_MINUS_TEX)}}}" for note in table.ci_notes or ()]
     return "\n".join(lines) + "\n"

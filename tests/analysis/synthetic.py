@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from analysis.results import TABLE_COLUMNS
+from draftlab.data.benchmarks import category_column
+from draftlab.eval.uncertainty import MIN_QUESTIONS, group_intervals, speedup_of, tau_of
 
 
 def columns(tau0: float, sr0: float, *, skip: tuple[str, ...] = (), override: dict | None = None) -> dict:
@@ -54,3 +57,43 @@ def write_sweep(root: Path, records: list[dict]) -> Path:
         d.mkdir()
         (d / "record.json").write_text(json.dumps(rec, indent=1))
     return root
+
+
+def question_rows(spreads: dict[str, tuple[float, float]], *, per_category: int = 10, seed: int = 0) -> list[dict]:
+    """``eval.questions`` rows: ``per_category`` questions of each category, ``{category: (mean τ, spread)}``.
+
+    A question's τ is drawn uniformly within ``mean ± spread`` and its speed-up follows it, so a category's
+    spread sets how wide its intervals are. Question ids and categories depend on ``spreads`` and
+    ``per_category`` only: records built with other seeds are repeats that answered the same questions.
+    """
+    rng = random.Random(seed)
+    rows = []
+    for category, (tau, spread) in spreads.items():
+        for _ in range(per_category):
+            rounds = rng.randint(20, 60)
+            q_tau = tau + spread * rng.uniform(-1.0, 1.0)
+            ar_tps = 40.0 + rng.uniform(-2.0, 2.0)
+            rows.append({"question_id": len(rows), "category": category, "accepted": round(q_tau * rounds),
+                         "rounds": rounds, "tps": round(ar_tps * q_tau * 0.6, 4), "ar_tps": round(ar_tps, 4)})
+    return rows
+
+
+def with_questions(record: dict, rows: list[dict], *, resamples: int = 400, seed: int = 0) -> dict:
+    """``record`` with ``eval.questions = rows`` and the cells an evaluation computes from them: per column and
+    AVG (all questions) τ, SR and their paired intervals (none below MIN_QUESTIONS questions), plus
+    ``eval.interval``."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(category_column(row["category"]), []).append(row)
+    groups["AVG"] = rows
+    cols = {}
+    for col, g in groups.items():
+        cells = {"tau": tau_of(g), "speedup": speedup_of(g), "n_questions": len(g),
+                 "method_tps": sum(r["tps"] for r in g) / len(g), "ar_tps": sum(r["ar_tps"] for r in g) / len(g)}
+        few = len(g) < MIN_QUESTIONS
+        cols[col] = cells | ({"tau_ci": None, "speedup_ci": None} if few
+                             else group_intervals(g, resamples=resamples, seed=seed))
+    record["eval"].update(columns=cols, questions=rows, interval={
+        "method": "percentile bootstrap over questions", "resamples": resamples, "level": 0.95, "seed": seed,
+        "min_questions": MIN_QUESTIONS})
+    return record

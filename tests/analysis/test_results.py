@@ -174,3 +174,48 @@ def test_eval_settings_come_from_the_eval_block_else_the_run_config(tmp_path):
     assert r.eval_settings == {"max_new_tokens": 64, "timing": "decode", "max_turns": 1, "top_p": None,
                                "top_k": None, "categories": ("coding",), "per_category": 3, "limit": None}
     assert Record(path=tmp_path / "record.json", data=make_record(label="x")).eval_setting("timing") is None
+
+
+GOOD_ROW = {"question_id": 7, "category": "coding", "accepted": 40, "rounds": 20, "tps": 80.0, "ar_tps": 40.0}
+
+
+@pytest.mark.parametrize("questions, field", [
+    ({"7": GOOD_ROW}, r"'eval\.questions' must be a list of objects with keys question_id, category, accepted, "
+                      r"rounds, tps, ar_tps, got dict"),
+    ([GOOD_ROW, 3], r"'eval\.questions\[1\]' is 3"),
+    ([{k: v for k, v in GOOD_ROW.items() if k != "rounds"}], r"'eval\.questions\[0\]\.rounds' must be a "
+                                                            r"non-negative int, got None"),
+    ([{**GOOD_ROW, "accepted": 40.5}], r"'eval\.questions\[0\]\.accepted' must be a non-negative int, got 40\.5"),
+    ([{**GOOD_ROW, "tps": "fast"}], r"'eval\.questions\[0\]\.tps' must be a non-negative number, got 'fast'"),
+    ([{**GOOD_ROW, "question_id": True}], r"'eval\.questions\[0\]\.question_id' must be a string or int"),
+])
+def test_malformed_question_rows_name_the_file_and_field(tmp_path, questions, field):
+    rec = make_record(label="ConFu")
+    rec["eval"]["questions"] = questions
+    path = write_sweep(tmp_path / "s", [rec]) / "0" / "record.json"
+    with pytest.raises(RecordError, match=field) as info:
+        load_records(tmp_path / "s")
+    assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+
+
+def test_question_rows_and_intervals_read_from_the_record_and_its_baselines(tmp_path):
+    rec = make_record(label="EAGLE-3", cols=columns(2.0, 1.0, override={("AVG", "tau_ci"): [1.9, 2.2]}))
+    rec["eval"].update(questions=[GOOD_ROW], interval={"level": 0.9})
+    rec["eval"]["baselines"] = {"pld": {"label": "PLD", "columns": columns(1.2, 1.1),
+                                        "questions": [{**GOOD_ROW, "accepted": 30}], "interval": {"level": 0.8}},
+                                "old": {"label": "old", "columns": columns(1.2, 1.1)}}
+    main, pld, old = load_records(write_sweep(tmp_path / "s", [rec]))
+    assert main.questions == [GOOD_ROW] and pld.questions == [{**GOOD_ROW, "accepted": 30}]
+    assert old.questions is None and pld.eval["interval"] == {"level": 0.8}
+    assert main.columns["AVG"]["tau_ci"] == [1.9, 2.2]
+    assert load_records(write_sweep(tmp_path / "o", [make_record(label="x")]))[0].questions is None
+    rec["eval"]["baselines"]["pld"]["questions"] = [{**GOOD_ROW, "rounds": -1}]
+    rec["eval"]["columns"]["AVG"]["tau_ci"] = [1.9]
+    (tmp_path / "s" / "0" / "record.json").write_text(json.dumps(rec))
+    with pytest.raises(RecordError, match=r"'eval\.columns\.AVG\.tau_ci' must be \[lo, hi\] or null, got \[1\.9\]"):
+        load_records(tmp_path / "s")
+    rec["eval"]["columns"]["AVG"]["tau_ci"] = None
+    (tmp_path / "s" / "0" / "record.json").write_text(json.dumps(rec))
+    with pytest.raises(RecordError, match=r"record\.json: 'eval\.baselines\.pld\.questions' must be .*"
+                                          r"'eval\.baselines\.pld\.questions\[0\]\.rounds' must be a non-negative int"):
+        load_records(tmp_path / "s")
