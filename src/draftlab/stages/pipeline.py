@@ -3,12 +3,15 @@
 ``run_pipeline(cfg)`` composes the stages; the method is whatever ``cfg.method`` declares (see
 ``draftlab.methods.registry``). A trainable method either trains (content-addressed, reused or resumed)
 or, with ``draft_path=DIR``, evaluates an existing artifact; a training-free method goes straight to
-evaluation. The job's record (``<run dir>/record.json``) and W&B run name the commit the job started on
-(and whether the tree was dirty) and the evaluated draft by path, weights hash and training step.
+evaluation. An evaluation already finished under the same key (config, draft weights, code) is brought
+into the run directory instead of run again (``draftlab.eval.reuse``; ``eval.reuse=false`` runs it). The
+job's record (``<run dir>/record.json``) and W&B run name the commit the job started on (and whether the
+tree was dirty) and the evaluated draft by path, weights hash and training step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from draftlab import tracking
+from draftlab.eval import reuse
 from draftlab.methods.registry import MethodSpec
 from draftlab.training import ranks
 from draftlab.utils.logging import get_logger
@@ -34,6 +38,7 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | N
         eval_timing(cfg)  # a typo in eval.timing fails now, not after training
     ctx = tracking.hydra_context()
     git = tracking.git_info()  # the code this job runs, not what HEAD is when it ends
+    code = reuse.source_version() if cfg.eval.enabled else None  # likewise, for the evaluation's key
     run_dir = Path(ctx.get("output_dir") or cfg.paths.output_dir)
     identity = tracking.run_identity(cfg, ctx)
     loggers = tracking.make_loggers(cfg, identity)
@@ -80,19 +85,50 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | N
             draft_id = tracking.draft_identity(None)
         _summarise_identity(loggers, git, draft_id)
 
-        eval_record = None
+        eval_record = reused = None
         if cfg.eval.enabled:
-            eval_record, eval_metrics = evaluate(cfg, target, drafter, run_dir, loggers, draft=draft,
-                                                   draft_dir=draft_dir, spec=spec)
+            def fresh():
+                return evaluate(cfg, target, drafter, run_dir, loggers, draft=draft, draft_dir=draft_dir, spec=spec)
+
+            eval_record, eval_metrics, reused = _evaluate_or_reuse(cfg, fresh, drafter, run_dir, loggers,
+                                                                    draft_id, draft_dir, code)
             metrics.update(eval_metrics)
         record = tracking.build_record(cfg, kind=stage, identity=identity, metrics=metrics, artifacts=artifacts,
                                        eval_result=eval_record, train=train_info, ctx=ctx, git=git, draft=draft_id)
+        if reused is not None:
+            record["eval_reuse"] = reused
         path = tracking.write_record(run_dir, record)
         log.info("run record: %s", path)
         return record
     finally:
         ranks.end_job()
         tracking.finish_wandb()
+
+
+def _evaluate_or_reuse(cfg: DictConfig, fresh: Callable[[], tuple[dict, dict]], drafter, run_dir: Path,
+                       loggers: list, draft_id: dict[str, Any], draft_dir: Path | None, code: str
+                       ) -> tuple[dict[str, Any], dict[str, float], dict[str, Any]]:
+    """The evaluation kept under this job's key (``draftlab.eval.reuse``), brought into ``run_dir``, or
+    ``fresh()`` run and kept; returns (eval record, flat metrics, the record's ``eval_reuse``)."""
+    from draftlab.methods.registry import trained_method_config
+
+    parts = reuse.key_parts(cfg, draft_sha=draft_id.get("sha256"), code=code, trained=trained_method_config(draft_dir))
+    key = reuse.key_of(parts)
+    entry = reuse.entry_dir(cfg, key)
+    stored = reuse.load(entry, key) if cfg.eval.get("reuse", True) else None
+    if stored is not None:
+        drafter.close()  # built but never run: closed here, as the evaluation stage closes the drafters it runs
+        eval_record, eval_metrics = reuse.bring(stored, run_dir)
+        info = reuse.reuse_info(key, stored, code)
+        log.info("eval reused: %s from %s (eval.reuse=false to run it again)", key, entry)
+        reuse.log_reused(loggers, eval_metrics, info)
+        return eval_record, eval_metrics, info
+    eval_record, eval_metrics = fresh()
+    try:
+        reuse.store(entry, key, parts, run_dir, eval_record, eval_metrics, tracking.hardware_info())
+    except OSError as exc:  # the job's own results stand; only a later re-run loses the shortcut
+        log.warning("evaluation not kept for reuse at %s: %s", entry, exc)
+    return eval_record, eval_metrics, reuse.reuse_info(key, None, code)
 
 
 def _build_target(cfg: DictConfig):
