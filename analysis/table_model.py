@@ -119,7 +119,15 @@ def _stored_spread(r: Record, columns: Sequence[str], metrics: Sequence[str]) ->
     cells = r.columns
     if not any(CI_KEYS[m] in cells.get(c, {}) for c in columns for m in metrics):
         return None
-    return {c: {m: _half_width(cells.get(c, {}).get(CI_KEYS[m])) for m in metrics} for c in columns}
+    # Records written before intervals needed a minimum of questions stored them for one-question cells too
+    # (zero width): the rule that holds now (the record's own, else MIN_QUESTIONS) decides what is shown.
+    floor = bootstrap_settings(r)["min_questions"]
+
+    def shown(c: str, m: str) -> float | None:
+        cell = cells.get(c, {})
+        return _half_width(cell.get(CI_KEYS[m])) if (cell.get("n_questions") or 0) >= floor else None
+
+    return {c: {m: shown(c, m) for m in metrics} for c in columns}
 
 
 def _pooled_spread(runs: list[list[dict]], columns: Sequence[str], metrics: Sequence[str], boot: dict) -> dict:

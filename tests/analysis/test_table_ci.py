@@ -228,3 +228,17 @@ def test_cli_ci_writes_both_formats(tmp_path, capsys):
     assert "± " in out.with_suffix(".md").read_text() and r"$\pm$" in out.with_suffix(".tex").read_text()
     assert main([str(sweep)]) == 0
     assert "±" not in capsys.readouterr().out
+
+
+def test_stored_intervals_of_too_few_questions_are_not_shown(tmp_path):
+    """Records written before intervals needed MIN_QUESTIONS questions stored a zero-width interval for a
+    one-question cell; the table shows that cell bare (and says why) while a larger cell keeps its ±."""
+    rec = _evaluated(per_category=1)  # one question per category: WRIT, CODE, M/R each of one
+    for col in ("WRIT", "CODE", "M/R"):
+        cell = rec["eval"]["columns"][col]
+        cell["tau_ci"], cell["speedup_ci"] = [cell["tau"], cell["tau"]], [cell["speedup"], cell["speedup"]]
+    rec["eval"].pop("interval", None)  # an older record: no stated minimum
+    (record,) = load_records(write_sweep(tmp_path / "s", [rec]))
+    table = build_table([record], "table1", ci=True)
+    assert table.rows[0].spread["WRIT"]["tau"] is None and table.rows[0].spread["CODE"]["speedup"] is None
+    assert "no interval: cells of fewer than 5 questions" in render_markdown(table)
