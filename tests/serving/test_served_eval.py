@@ -226,7 +226,7 @@ def test_served_vs_draftlab_round_trip(method, tmp_path, shared_data):
         pytest.skip(f"no trained {method} artifact: train one or set DRAFTLAB_VLLM_ARTIFACT_{method.upper()}")
     cfg = _compose([f"method={method}", f"draft_path={artifact}", "eval.engine=vllm", f"eval.served.python={VLLM_PYTHON}",
                     "eval.served.prompts=2", "eval.served.max_tokens=24", "eval.served.num_speculative_tokens=[1,3]",
-                    "eval.served.extra=[--enforce-eager]", "bench=specbench",
+                    "eval.served.extra=[--enforce-eager]", "bench=specbench", "eval.reuse=false",
                     f"paths.output_dir={tmp_path}", f"paths.shared_data={shared_data}"])
     record = run_pipeline(cfg, stage="eval")
     recs = record["eval"]["served"]

@@ -177,6 +177,13 @@ def _groups(items: Sequence[Any], category_of: Callable[[Any], str], column_of: 
     return {c: by_column[c] for c in order}, by_category
 
 
+def _intervals(rows: Sequence[Mapping[str, Any]], boot: Mapping[str, Any], min_questions: int) -> dict[str, Any]:
+    """A group's ``tau_ci`` / ``speedup_ci``; none below ``min_questions`` questions (``uncertainty.MIN_QUESTIONS``)."""
+    if len(rows) < min_questions:
+        return {"tau_ci": None, "speedup_ci": None}
+    return group_intervals(rows, **boot)
+
+
 def speed_metrics(
     method_answers: Answers,
     ar_answers: Answers,
@@ -234,10 +241,8 @@ def speed_metrics(
     rows = [_question_row(m, b, timing) for m, b in pairs]
     boot = {"resamples": resamples, "level": level, "seed": seed}
 
-    def intervals(group_rows):  # none below MIN_QUESTIONS questions (see draftlab.eval.uncertainty)
-        if len(group_rows) < min_questions:
-            return {"tau_ci": None, "speedup_ci": None}
-        return group_intervals(group_rows, **boot)
+    def intervals(group_rows):
+        return _intervals(group_rows, boot, min_questions)
 
     pair_columns, pair_categories = _groups(pairs, lambda p: p[0]["category"], column_of)
     row_columns, row_categories = _groups(rows, lambda r: r["category"], column_of)
