@@ -16,6 +16,7 @@ import csv
 import json
 from pathlib import Path
 
+from analysis.markdown import markdown_table
 from analysis.results import columns_from_metrics
 
 ARMS = {  # arm -> (label, what changed against the Draft-OPD arm)
@@ -29,6 +30,9 @@ ARMS = {  # arm -> (label, what changed against the Draft-OPD arm)
     "opd_nodecay": ("no decay", "gamma: 1.0"),
     "opd_sampled": ("sampled estimators", "estimator: sampled"),
 }
+
+HEADERS = ["arm", "change", "optimiser steps", "rollout τ, first → last phase", "Spec-Bench τ (AVG)", "SR (AVG)",
+           "AR tok/s", "GSM8K test τ (10)", "outputs ≠ AR"]
 
 
 def rollout_taus(path: Path) -> list[float]:
@@ -48,9 +52,7 @@ def main() -> None:
     ap.add_argument("records", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    lines = ["| arm | change | optimiser steps | rollout τ, first → last phase | Spec-Bench τ (AVG) | SR (AVG) | "
-             "AR tok/s | GSM8K test τ (10) | outputs ≠ AR |", "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-    curves = {}
+    rows, curves = [], {}
     for arm, (label, change) in ARMS.items():
         ev_path = args.records / f"eval_{arm}.json"
         if not ev_path.exists():
@@ -69,9 +71,9 @@ def main() -> None:
         taus = rollout_taus(args.records / f"{arm}_metrics.csv")
         curves[label] = taus
         trend = f"{taus[0]:.2f} → {taus[-1]:.2f} ({len(taus)} phases)" if taus else "-"
-        lines.append(f"| {label} | {change} | {steps} | {trend} | {m['eval/specbench/AVG/tau']:.3f} | "
-                     f"{m['eval/specbench/AVG/speedup']:.3f} | {ar_tps:.1f} | {gsm_tau} | "
-                     f"{mismatches} |")
+        rows.append([label, change, steps, trend, f"{m['eval/specbench/AVG/tau']:.3f}",
+                     f"{m['eval/specbench/AVG/speedup']:.3f}", f"{ar_tps:.1f}", gsm_tau, mismatches])
+    lines = markdown_table(HEADERS, rows, "llrlrrrrr")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))

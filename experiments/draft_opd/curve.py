@@ -26,6 +26,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from analysis.markdown import markdown_table
+
 DEFAULTS = ["experiment=quickstart", "method=eagle3", "method.drafter.tree=fixed", "method.drafter.nodes=6",
             "method.drafter.depth=3", "method.drafter.branching=3", "bench=specbench", "bench.per_category=1",
             "eval.max_new_tokens=96", "eval.temperature=0.0"]
@@ -93,6 +95,14 @@ def measure_tau(target, drafter, questions, gen) -> dict:
     return {"new_tokens": tokens, "rounds": rounds, "tau": tokens / max(rounds, 1)}
 
 
+def table_lines(series: dict[str, list[tuple[float, int, float]]], setting: str) -> list[str]:
+    """The ``<out>.md`` lines: one row per (run, checkpoint) of ``series`` ({name: [(seconds, step, τ)]})."""
+    rows = [[name, str(step), f"{sec / 60:.1f}", f"{tau:.3f}"] for name, pts in series.items()
+            for sec, step, tau in pts]
+    return [f"Held-out τ: {setting}, T=0, same drafter for every point.", "",
+            *markdown_table(["run", "step", "training minutes", "held-out τ"], rows, "lrrr")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path)
@@ -142,11 +152,7 @@ def main() -> None:
             pts.append((seconds, step, point(key, lambda p=path: draft_at(start_draft, p))["tau"]))
         series[name] = pts
 
-    lines = [f"Held-out τ: {len(questions)} questions ({bench.name}), "
-             f"{cfg.eval.max_new_tokens} new tokens, T=0, same drafter for every point.", "",
-             "| run | step | training minutes | held-out τ |", "| --- | ---: | ---: | ---: |"]
-    for name, pts in series.items():
-        lines += [f"| {name} | {step} | {sec / 60:.1f} | {tau:.3f} |" for sec, step, tau in pts]
+    lines = table_lines(series, f"{len(questions)} questions ({bench.name}), {cfg.eval.max_new_tokens} new tokens")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from analysis.markdown import markdown_table
 from analysis.results import training_record
 
 
@@ -52,13 +53,12 @@ def main() -> None:
     args = ap.parse_args()
     if len(args.name) != len(args.runs):
         ap.error(f"{len(args.runs)} runs but {len(args.name)} --name labels")
-    series = {}
-    lines = ["| run | tokens seen | val/acc_0 | simulated τ |", "| --- | ---: | ---: | ---: |"]
+    series, rows = {}, []
     for name, run in zip(args.name, args.runs):
         pts, exact = points(training_record(run))
         series[name] = pts
-        for t, acc, tau in pts:
-            lines.append(f"| {name} | {t:,.0f}{'' if exact else ' (est.)'} | {acc:.3f} | {tau:.3f} |")
+        rows += [[name, f"{t:,.0f}{'' if exact else ' (est.)'}", f"{acc:.3f}", f"{tau:.3f}"] for t, acc, tau in pts]
+    lines = markdown_table(["run", "tokens seen", "val/acc_0", "simulated τ"], rows, "lrrr")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 

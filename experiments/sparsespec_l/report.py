@@ -15,9 +15,10 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
+from analysis.markdown import markdown_table
 from analysis.results import RecordError, eval_answer_files
 from draftlab.eval.answers import load_answers
-from draftlab.eval.metrics import question_throughput
+from draftlab.eval.metrics import question_throughput, speed_metrics
 from draftlab.utils.atomic import atomic_write_text
 
 
@@ -33,20 +34,43 @@ def _stats(answers: list[dict]) -> dict[str, float]:
     return {k: v / weight for k, v in sums.items()} if weight else {}
 
 
-def summarise(answers: list[dict], base: dict, found: dict | None) -> dict:
-    def sr(rows):
-        m = [question_throughput(a, "decode") for a in rows]
-        b = [question_throughput(base[a["question_id"]], "decode") for a in rows]
-        return (sum(m) / len(m)) / (sum(b) / len(b))
-
-    cats = defaultdict(list)
-    for a in answers:
-        cats[a["category"]].append(a)
-    acc = [x for a in answers for x in a["choices"][0]["accept_lengths"]]
-    tps = [question_throughput(a, "decode") for a in answers]
-    return {"sr": sr(answers), "tau": sum(acc) / len(acc), "tps": sum(tps) / len(tps),
-            "categories": {c: sr(rows) for c, rows in sorted(cats.items())}, "stats": _stats(answers),
+def summarise(answers: list[dict], base_answers: list[dict], found: dict | None) -> dict:
+    """SR, τ and tok/s overall and SR per category (sorted by name), as ``speed_metrics`` with decode timing
+    computes them; the long-context categories have no table column, so none is asked for."""
+    m = speed_metrics(answers, base_answers, column_of=lambda category: None, timing="decode")
+    return {"sr": m["AVG"]["speedup"], "tau": m["AVG"]["tau"], "tps": m["AVG"]["method_tps"],
+            "categories": {c: g["speedup"] for c, g in sorted(m["categories"].items())}, "stats": _stats(answers),
             "found": None if found is None else f"{found['found']}/{found['n']}"}
+
+
+def tables(ev: dict, rows: dict, labels: dict, n_prompts: int, ar_tps: float) -> list[str]:
+    """The ``<out>.md`` lines: a summary line, the settings table and the per-category SR table."""
+    scores = ev.get("scores") or {}
+    cats = list(next(iter(rows.values()))["categories"])
+    lines = [f"SmolLM2-135M-Instruct, {n_prompts} long-context prompts ({', '.join(cats)}), "
+             f"{ev['max_new_tokens']} new tokens, T = {ev['temperature']}, decode-only timing; AR "
+             f"{ar_tps:.2f} tok/s. mismatches vs AR: "
+             + ", ".join(f"{n} {ev['mismatches_vs_ar'] if n == ev['method'] else ev['baselines'][n]['mismatches_vs_ar']}"
+                         for n in rows) + ".", ""]
+    table = []
+    for name, r in rows.items():
+        s = r["stats"]
+
+        def f(key, fmt, s=s):
+            return format(s[key], fmt) if key in s else "—"
+
+        table.append([labels.get(name, name), f"{r['sr']:.2f}", f"{r['tau']:.2f}", f"{r['tps']:.2f}",
+                      f("k_mean", ".2f"), f("draft_accept_rate", ".3f"), f("kv_read_fraction", ".3f"),
+                      f("draft_step_ms", ".1f"), f("verify_ms", ".1f"), r["found"] or "—"])
+    if "ar" in scores:
+        table.append(["AR", "1.00", "1.00", f"{ar_tps:.2f}", "—", "—", "1", "—", "—",
+                      f"{scores['ar']['found']}/{scores['ar']['n']}"])
+    lines += markdown_table(["setting", "SR", "τ", "tok/s", "mean k", "draft accept", "KV read / draft step",
+                             "draft step ms", "verify ms", "NIAH found"], table, "l" + "r" * 9)
+    lines += ["", "SR per prompt category:", ""]
+    lines += markdown_table(["setting", *cats], [[labels.get(name, name), *(f"{r['categories'][c]:.2f}" for c in cats)]
+                                                 for name, r in rows.items()], "l" + "r" * len(cats))
+    return lines
 
 
 def main() -> None:
@@ -60,35 +84,11 @@ def main() -> None:
         raise SystemExit(str(e)) from None
     labels = {ev["method"]: ev["label"]} | {n: b["label"] for n, b in (ev.get("baselines") or {}).items()}
     base_answers = load_answers(files.pop("ar") if "ar" in files else files.pop("baseline"))
-    base = {x["question_id"]: x for x in base_answers}
     scores = ev.get("scores") or {}
-    rows = {name: summarise(load_answers(path), base, scores.get(name)) for name, path in files.items()}
+    rows = {name: summarise(load_answers(path), base_answers, scores.get(name)) for name, path in files.items()}
+    # AR's own tok/s over all its prompts (not only those a setting answered), as the summary line states it.
     ar_tps = sum(question_throughput(x, "decode") for x in base_answers) / len(base_answers)
-    cats = list(next(iter(rows.values()))["categories"])
-
-    lines = [f"SmolLM2-135M-Instruct, {len(base)} long-context prompts ({', '.join(cats)}), "
-             f"{ev['max_new_tokens']} new tokens, T = {ev['temperature']}, decode-only timing; AR "
-             f"{ar_tps:.2f} tok/s. mismatches vs AR: "
-             + ", ".join(f"{n} {ev['mismatches_vs_ar'] if n == ev['method'] else ev['baselines'][n]['mismatches_vs_ar']}"
-                         for n in rows) + ".", "",
-             "| setting | SR | τ | tok/s | mean k | draft accept | KV read / draft step | draft step ms | "
-             "verify ms | NIAH found |", "| --- |" + " ---: |" * 9]
-    for name, r in rows.items():
-        s = r["stats"]
-
-        def f(key, fmt, s=s):
-            return format(s[key], fmt) if key in s else "—"
-
-        lines.append(f"| {labels.get(name, name)} | {r['sr']:.2f} | {r['tau']:.2f} | {r['tps']:.2f} | "
-                     f"{f('k_mean', '.2f')} | {f('draft_accept_rate', '.3f')} | {f('kv_read_fraction', '.3f')} | "
-                     f"{f('draft_step_ms', '.1f')} | {f('verify_ms', '.1f')} | {r['found'] or '—'} |")
-    if "ar" in scores:
-        lines.append(f"| AR | 1.00 | 1.00 | {ar_tps:.2f} | — | — | 1 | — | — | "
-                     f"{scores['ar']['found']}/{scores['ar']['n']} |")
-    lines += ["", "SR per prompt category:", "", "| setting | " + " | ".join(cats) + " |",
-              "| --- |" + " ---: |" * len(cats)]
-    for name, r in rows.items():
-        lines.append(f"| {labels.get(name, name)} | " + " | ".join(f"{r['categories'][c]:.2f}" for c in cats) + " |")
+    lines = tables(ev, rows, labels, len({x["question_id"] for x in base_answers}), ar_tps)
     atomic_write_text(a.out.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from analysis.markdown import markdown_table
 from draftlab.decoding.cache import SparseView
 from draftlab.decoding.tree import DraftTree, ancestor_mask
 from draftlab.methods.sparsespec_l.selection import budget_slots, select_slots
@@ -84,6 +85,18 @@ def measure(target, context: int, *, reps: int, budget: float, min_budget: int, 
             "kv_mb_dense": kv_bytes * context / 2**20, "kv_mb_draft": kv_bytes * keep / 2**20}
 
 
+def table_lines(rows: list[dict]) -> list[str]:
+    """The ``<out>.md`` table: one row per context of ``rows`` (``measure``'s dicts, or ``<out>.json``'s)."""
+    ns = list(rows[0]["verify_ms"])
+    headers = ["context", "prefill s", "AR step ms", "draft step ms (10 %)", "draft / AR", "compact ms",
+               *(f"verify {n} rows ms" for n in ns), "KV MB dense", "KV MB draft"]
+    cells = [[r["context"], f"{r['prefill_s']:.1f}", f"{r['ar_step_ms']:.1f}", f"{r['draft_step_ms']:.1f}",
+              f"{r['draft_step_ms'] / r['ar_step_ms']:.2f}", f"{r['compact_ms']:.1f}",
+              *(f"{r['verify_ms'][n]:.1f}" for n in ns), f"{r['kv_mb_dense']:.0f}", f"{r['kv_mb_draft']:.0f}"]
+             for r in rows]
+    return markdown_table(headers, cells, "r" * len(headers), tight_rule=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="writes <out>.json, <out>.md and <out>.png")
@@ -97,14 +110,7 @@ def main() -> None:
         rows = [measure(target, c, reps=a.reps, budget=0.1, min_budget=128) for c in tqdm(a.contexts, desc="contexts")]
     atomic_write_text(a.out.with_suffix(".json"), json.dumps(rows, indent=1) + "\n")
     ns = list(rows[0]["verify_ms"])
-    lines = ["| context | prefill s | AR step ms | draft step ms (10 %) | draft / AR | compact ms | "
-             + " | ".join(f"verify {n} rows ms" for n in ns) + " | KV MB dense | KV MB draft |",
-             "|" + "---:|" * (8 + len(ns))]
-    for r in rows:
-        lines.append(f"| {r['context']} | {r['prefill_s']:.1f} | {r['ar_step_ms']:.1f} | {r['draft_step_ms']:.1f} | "
-                     f"{r['draft_step_ms'] / r['ar_step_ms']:.2f} | {r['compact_ms']:.1f} | "
-                     + " | ".join(f"{r['verify_ms'][n]:.1f}" for n in ns)
-                     + f" | {r['kv_mb_dense']:.0f} | {r['kv_mb_draft']:.0f} |")
+    lines = table_lines(rows)
     atomic_write_text(a.out.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib

@@ -15,9 +15,11 @@ import argparse
 import re
 from pathlib import Path
 
+from analysis.markdown import markdown_table
 from analysis.results import training_record
 
 COLUMNS = ("agree", "kl", "raw_exit_rate", "raw_exit_precision", "exit_rate", "exit_precision")
+HEADERS = ("exit layer", "agree (top-1)", "KL", "exit rate raw", "precision raw", "exit rate ACT", "precision ACT")
 
 
 def calibration(row: dict) -> dict[int, dict[str, float]]:
@@ -45,11 +47,8 @@ def main() -> None:
     tau, alpha = module["tau"], module["alpha"]
     lines = [f"Held-out calibration of the saved draft (step {row['step']}; tau {tau}, alpha {alpha}; "
              f"{len(rows)} validation(s) in the run, steps {', '.join(str(h['step']) for h in rows)}).", "",
-             "| exit layer | agree (top-1) | KL | exit rate raw | precision raw | exit rate ACT | precision ACT |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for layer, m in table.items():
-        lines.append(f"| {layer} | {m['agree']:.3f} | {m['kl']:.3f} | {m['raw_exit_rate']:.3f} | "
-                     f"{m['raw_exit_precision']:.3f} | {m['exit_rate']:.3f} | {m['exit_precision']:.3f} |")
+             *markdown_table(HEADERS, [[layer, *(f"{m[c]:.3f}" for c in COLUMNS)] for layer, m in table.items()],
+                             "r" * len(HEADERS))]
     d_max = module.get("d_max")
     lines += ["", f"Policy (first ACT exit up to d_max={d_max if d_max is not None else 'deepest head'}, "
               f"w_max={module['w_max']}): exit rate {row['val/policy_exit_rate']:.3f}, mean exit layer "

@@ -4,7 +4,7 @@
 
 Reads the run's record and its answer files (the drafter's per-turn ``drafter_stats``: drafted tokens and
 their mean exit layer). SR is each question's tokens/s over AR's on the same question, averaged per
-category, as Spec-Bench's ``speed.py`` does. Writes ``<out>.md``.
+category (a mean of ratios; see ``per_category``). Writes ``<out>.md``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,19 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
+from analysis.markdown import markdown_table
 from analysis.results import RecordError, eval_answer_files
 from draftlab.eval.answers import load_answers
+from draftlab.eval.metrics import question_throughput
 
 
 def per_category(answers: list[dict], base: dict) -> dict[str, dict[str, float]]:
+    """``{category: {"sr", "tau", "exit_layer"}}``, categories sorted by name, then ``AVG`` over every answer.
+
+    Not ``speed_metrics``' numbers, on purpose (the committed tables were made this way): SR is the mean of
+    per-question ratios (``speed_metrics``: ratio of mean throughputs) and τ is new tokens per decoding
+    step, so it counts the token sampled from the prefill (``speed_metrics``: pooled ``accept_lengths``).
+    The per-question throughput is the shared one (wall timing)."""
     groups: dict[str, list] = defaultdict(list)
     for a in answers:
         groups[a["category"]].append(a)
@@ -25,8 +33,8 @@ def per_category(answers: list[dict], base: dict) -> dict[str, dict[str, float]]
     for cat, rows in sorted(groups.items()) + [("AVG", answers)]:
         sr, tokens, steps, drafted, depth = [], 0, 0, 0, 0.0
         for a in rows:
-            c, b = a["choices"][0], base[a["question_id"]]["choices"][0]
-            sr.append((sum(c["new_tokens"]) / sum(c["wall_time"])) / (sum(b["new_tokens"]) / sum(b["wall_time"])))
+            c = a["choices"][0]
+            sr.append(question_throughput(a) / question_throughput(base[a["question_id"]]))
             tokens, steps = tokens + sum(c["new_tokens"]), steps + sum(c["decoding_steps"])
             for d in c.get("drafter_stats") or []:
                 if d:
@@ -49,12 +57,11 @@ def main() -> None:
     base = {a["question_id"]: a for a in load_answers(files.pop("ar") if "ar" in files else files.pop("baseline"))}
     tables = {name: per_category(load_answers(path), base) for name, path in files.items()}
     cats = list(next(iter(tables.values())))
+    rows = [[name, *(f"{t[c]['sr']:.2f} / {t[c]['tau']:.2f} / {t[c]['exit_layer']:.1f}" for c in cats)]
+            for name, t in tables.items()]
     lines = ["SR / τ / mean exit layer of the drafted tokens, per Spec-Bench category (T = 0, AR on the same "
              "questions in the same process).", "",
-             "| setting | " + " | ".join(cats) + " |", "| --- |" + " ---: |" * len(cats)]
-    for name, t in tables.items():
-        lines.append(f"| {name} | " + " | ".join(
-            f"{t[c]['sr']:.2f} / {t[c]['tau']:.2f} / {t[c]['exit_layer']:.1f}" for c in cats) + " |")
+             *markdown_table(["setting", *cats], rows, "l" + "r" * len(cats))]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from analysis.markdown import markdown_table
 from analysis.results import training_record
 
 CHUNK = 256  # positions per LM-head chunk ([chunk, V] logits at a time)
@@ -131,9 +132,8 @@ def main() -> None:
     t0 = time.perf_counter()
     batches = held_out_scores(cfg, heads, target, args.alphas, args.max_batches)
     n = sum(int(v.sum()) for _, _, v in batches)
-    lines = [f"## (a) Exit policy on {n:,} held-out positions (w_max {args.w_max}; {time.perf_counter() - t0:.0f} s)", "",
-             "| alpha | tau | d_max | exit rate | mean exit layer | precision | simulated tokens/round |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    seconds = time.perf_counter() - t0
+    grid = []
     curves: dict[tuple, list[float]] = {}
     best = None
     for alpha in args.alphas:
@@ -141,10 +141,13 @@ def main() -> None:
             for tau in args.taus:
                 m = simulate(batches, alpha=alpha, tau=tau, d_max=d_max, w_max=args.w_max)
                 curves.setdefault((alpha, d_max), []).append(m["simulated_tau"])
-                lines.append(f"| {alpha:g} | {tau:g} | {d_max} | {m['exit_rate']:.3f} | {m['mean_exit_layer']:.1f} | "
-                             f"{m['precision']:.3f} | {m['simulated_tau']:.3f} |")
+                grid.append([f"{alpha:g}", f"{tau:g}", d_max, f"{m['exit_rate']:.3f}", f"{m['mean_exit_layer']:.1f}",
+                             f"{m['precision']:.3f}", f"{m['simulated_tau']:.3f}"])
                 if best is None or m["simulated_tau"] > best[0]:
                     best = (m["simulated_tau"], alpha, tau, d_max)
+    lines = [f"## (a) Exit policy on {n:,} held-out positions (w_max {args.w_max}; {seconds:.0f} s)", "",
+             *markdown_table(["alpha", "tau", "d_max", "exit rate", "mean exit layer", "precision",
+                              "simulated tokens/round"], grid, "r" * 7)]
     lines += ["", f"Highest simulated tokens per round: {best[0]:.3f} at alpha {best[1]:g}, tau {best[2]:g}, "
               f"d_max {best[3]}.", ""]
     layer_s, check_s, step_s = partial_costs(target, heads)
@@ -152,11 +155,11 @@ def main() -> None:
     lines += [f"## (b) Cost of one drafted token against a full AR step ({step_s * 1000:.1f} ms)", "",
               f"One exit check (W_l, final norm, LM head over {target.geometry.vocab_size:,} tokens, max softmax): "
               f"{check_s * 1000:.1f} ms = {check_s / step_s:.2f} AR steps. A token exiting at layer l has run "
-              "layers [0, l) and one check at every head up to l.", "",
-              "| exit layer | layers [0, l) ms | + checks | AR steps |", "| ---: | ---: | ---: | ---: |"]
-    for i, (layer, s) in enumerate(layer_s.items()):
-        total = s + (i + 1) * check_s
-        lines.append(f"| {layer} of {L} | {s * 1000:.1f} | {i + 1} | {total / step_s:.2f} |")
+              "layers [0, l) and one check at every head up to l.", ""]
+    # A token exiting at the i-th head ran the layers before it and i + 1 exit checks.
+    costs = [[f"{layer} of {L}", f"{s * 1000:.1f}", i + 1, f"{(s + (i + 1) * check_s) / step_s:.2f}"]
+             for i, (layer, s) in enumerate(layer_s.items())]
+    lines += markdown_table(["exit layer", "layers [0, l) ms", "+ checks", "AR steps"], costs, "rrrr")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 

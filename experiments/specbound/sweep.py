@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from categories import per_category  # noqa: E402
 
+from analysis.markdown import markdown_table  # noqa: E402
 from analysis.results import RecordError, eval_answer_files, read_record  # noqa: E402
 from draftlab.eval.answers import load_answers  # noqa: E402
 
@@ -50,12 +51,11 @@ def main() -> None:
         raise SystemExit(str(e)) from None
     points.sort(key=lambda p: tuple(p[k] for k in AXES))
     best = max(p["sr"] for p in points)
-    lines = ["| α | τ | d_max | w_max | AVG τ | AVG SR | mean exit layer | AR tok/s | mismatches |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for p in points:
-        sr = f"**{p['sr']:.2f}**" if p["sr"] == best else f"{p['sr']:.2f}"
-        lines.append(f"| {p['alpha']} | {p['tau']} | {p['d_max']} | {p['w_max']} | {p['tau_avg']:.2f} | {sr} | "
-                     f"{p['exit_layer']:.1f} | {p['ar_tps']:.1f} | {p['mismatches']} |")
+    rows = [[p["alpha"], p["tau"], p["d_max"], p["w_max"], f"{p['tau_avg']:.2f}",
+             f"**{p['sr']:.2f}**" if p["sr"] == best else f"{p['sr']:.2f}",  # the best point in bold
+             f"{p['exit_layer']:.1f}", f"{p['ar_tps']:.1f}", p["mismatches"]] for p in points]
+    lines = markdown_table(["α", "τ", "d_max", "w_max", "AVG τ", "AVG SR", "mean exit layer", "AR tok/s", "mismatches"],
+                           rows, "r" * 9)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))

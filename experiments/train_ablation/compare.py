@@ -18,7 +18,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from analysis.markdown import markdown_table
 from analysis.results import load_records
+
+HEADERS = ["row", "TTT unroll", "precision", "LM head init", "steps", "train s", "val acc_0", "val acc_1", "val sim. τ",
+           "first validation: step, ≈ s, acc_0, sim. τ"]
 
 
 def settings(r) -> dict:
@@ -71,16 +75,13 @@ def main() -> None:
                      r.train.get("train_seconds", 0.0), best.get("val/acc_0"), best.get("val/acc_1"),
                      best.get("val/simulated_tau"), first, seconds(s, first["step"], steps, per_step) if first else None))
         curves[name] = [(seconds(s, h["step"], steps, per_step), h["val/simulated_tau"]) for h in vals]
-    lines = ["| row | TTT unroll | precision | LM head init | steps | train s | val acc_0 | val acc_1 | val sim. τ "
-             "| first validation: step, ≈ s, acc_0, sim. τ |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    cells = []
     for name, unroll, prec, head, steps, secs, a0, a1, tau, first, first_s in rows:
         early = "–" if first is None else (f"{first['step']}, {first_s:.0f}, {first['val/acc_0']:.3f}, "
                                            f"{first['val/simulated_tau']:.3f}")
-        lines.append(f"| {name} | {unroll} | {prec} | {head} | {steps} | {secs:.0f} | {fmt(a0)} | "
-                     f"{fmt(a1)} | {fmt(tau)} | {early} |")
-    text = "\n".join(lines) + "\n"
+        cells.append([name, unroll, prec, head, steps, f"{secs:.0f}", fmt(a0), fmt(a1), fmt(tau), early])
+    text = "\n".join(markdown_table(HEADERS, cells, "llllrrrrrl")) + "\n"
     print(text)
     args.out.with_suffix(".md").write_text(text)
     try:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from analysis.markdown import markdown_table
 from draftlab.data.conversations import load_conversations, normalize
 from draftlab.data.features import precompute_features
 from draftlab.data.template import render_conversations
@@ -55,6 +56,19 @@ def train_round(module: Eagle3Module, opt, batches, bf16: bool) -> tuple[float, 
         opt.zero_grad(set_to_none=True)
         tokens += int(batch["attention_mask"].sum())
     return time.perf_counter() - t0, tokens
+
+
+def table_lines(results: dict, variants: list[str]) -> list[str]:
+    """The printed table: feature and training tokens/s of ``results`` (``results.json``'s entries), each
+    variant against TTT-7 fp32 and the reference numbers."""
+    feats = results["features"]["tokens_per_s"]
+    base = results["ttt7_fp32"]["tokens_per_s"]
+    rows = [["features (offline store)", f"{feats:.0f}", "", f"{feats / REFERENCE['features']:.2f}x of 280"]]
+    for name in variants:
+        tps = results[name]["tokens_per_s"]
+        rows.append([f"train {name}", f"{tps:.0f}", f"{tps / base:.2f}x",
+                     f"{tps / REFERENCE['train_ttt7_fp32']:.2f}x of 123"])
+    return markdown_table(["stage", "tokens/s", "vs TTT-7 fp32", "vs reference"], rows, "lrrr")
 
 
 def main() -> None:
@@ -106,14 +120,9 @@ def main() -> None:
                 if name not in best or tok / s > best[name][1] / best[name][0]:
                     best[name] = (s, tok)
                 print(f"  round {r}: {name:10s} {tok / s:7.1f} tok/s", flush=True)
-    base = best["ttt7_fp32"][1] / best["ttt7_fp32"][0]
-    print("\n| stage | tokens/s | vs TTT-7 fp32 | vs reference |\n| --- | ---: | ---: | ---: |")
-    print(f"| features (offline store) | {results['features']['tokens_per_s']:.0f} | | "
-          f"{results['features']['tokens_per_s'] / REFERENCE['features']:.2f}x of 280 |")
     for name, (s, tok) in best.items():
-        tps = tok / s
-        results[name] = {"tokens": tok, "seconds": s, "tokens_per_s": tps}
-        print(f"| train {name} | {tps:.0f} | {tps / base:.2f}x | {tps / REFERENCE['train_ttt7_fp32']:.2f}x of 123 |")
+        results[name] = {"tokens": tok, "seconds": s, "tokens_per_s": tok / s}
+    print("\n" + "\n".join(table_lines(results, list(best))))
     results["threads"] = args.threads
     Path(args.out).write_text(json.dumps(results, indent=2))
 

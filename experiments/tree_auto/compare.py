@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from analysis.markdown import markdown_table  # noqa: E402
 from analysis.results import TABLE_COLUMNS, load_records  # noqa: E402
 
 
@@ -59,13 +60,12 @@ def compare(records, tolerance: float = 0.05, by: str = "columns") -> tuple[str,
     if not fixed or len(auto) != 1:
         raise SystemExit(f"need fixed-size records and exactly one auto record, got {sorted(rows)}")
     (auto_key, auto_rec), = auto.items()
-    head = "| setting | " + " | ".join(columns) + " |"
-    lines = [head, "|" + " --- |" * (len(columns) + 1)]
+    table = []
     for (tree, nodes), r in rows.items():
         name = f"fixed, {nodes} nodes" if tree == "fixed" else f"**auto** (cap {nodes})"
         cells = [f"{value(r, c, 'speedup', by):.2f} ({value(r, c, 'tau', by):.2f})" if value(r, c, "speedup", by) is not None else "-"
                  for c in columns]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        table.append([name, *cells])
     ratios, ok = {}, True
     cells = []
     for c in columns:
@@ -76,8 +76,8 @@ def compare(records, tolerance: float = 0.05, by: str = "columns") -> tuple[str,
         passed = ratio > 1.0 if c == "AVG" else ratio >= 1.0 - tolerance
         ok &= passed
         cells.append(f"{ratio:.3f} (best {best_key[1]}){'' if passed else ' ✗'}")
-    lines.append("| auto / best fixed | " + " | ".join(cells) + " |")
-    return "\n".join(lines), ok, ratios
+    table.append(["auto / best fixed", *cells])
+    return "\n".join(markdown_table(["setting", *columns], table, "l" * (len(columns) + 1))), ok, ratios
 
 
 def plot(records, path: Path, by: str = "columns") -> None:
