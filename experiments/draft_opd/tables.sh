@@ -50,3 +50,14 @@ if [ -f "$A/eval_opd.json" ]; then
     draftlab-table "${args[@]}" --layout table4 --cell joint --out "$HERE/table_anchors_${set##*:}.md"
   done
 fi
+# The 5-minute arms re-evaluated with per-question answers (records/intervals/): τ and SR ± their 95 % bootstrap
+# half-widths over the questions (cells of fewer than 5 questions stay bare).
+N=$HERE/records/intervals
+for set in eval:specbench gsm8k:gsm8k; do
+  p=${set%%:*}
+  args=()
+  for arm in "sft:SFT (start)" "sft_more:SFT continued" "opd:Draft-OPD" "opd_random:random anchors"; do
+    [ -f "$N/${p}_${arm%%:*}.json" ] && args+=("$N/${p}_${arm%%:*}.json" --name "${arm#*:}")
+  done
+  draftlab-table "${args[@]}" --layout table4 --cell joint --ci --out "$HERE/table_intervals_${set##*:}.md"
+done

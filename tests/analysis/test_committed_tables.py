@@ -31,6 +31,8 @@ ANCHOR_ARMS = (("sft", "SFT (start)"), ("opd", "Draft-OPD (error anchors)"),
                ("opd_random", "random anchors (committed, all accepted)"),
                ("opd_random_rounds", "random verify rounds, 5 min"),
                ("opd_random_rounds_steps", "random verify rounds, 33 steps"))
+INTERVAL_ARMS = (("sft", "SFT (start)"), ("sft_more", "SFT continued"), ("opd", "Draft-OPD"),
+                 ("opd_random", "random anchors"))
 JOINT_TABLE4 = ["--layout", "table4", "--cell", "joint"]
 
 
@@ -72,6 +74,8 @@ TABLES: list[tuple[str, list[str]]] = [
     ("draft_opd/table_recipe_45min_gsm8k.md", _recipe_45min("gsm8k")),
     ("draft_opd/table_anchors_specbench.md", [*_named("anchors", "eval", ANCHOR_ARMS), *JOINT_TABLE4]),
     ("draft_opd/table_anchors_gsm8k.md", [*_named("anchors", "gsm8k", ANCHOR_ARMS), *JOINT_TABLE4]),
+    ("draft_opd/table_intervals_specbench.md", [*_named("intervals", "eval", INTERVAL_ARMS), *JOINT_TABLE4, "--ci"]),
+    ("draft_opd/table_intervals_gsm8k.md", [*_named("intervals", "gsm8k", INTERVAL_ARMS[:3]), *JOINT_TABLE4, "--ci"]),
     ("smollm2_eagle3/table_grid.md", GRID),
     ("smollm2_eagle3/table_grid.tex", [*GRID, "--format", "latex"]),
     ("smollm2_eagle3/table_gated.md", ["smollm2_eagle3/records/t0_1q_gated", "--layout", "methods",
