@@ -8,7 +8,6 @@ Committed tables left out, because their records are not in the repository (only
     under ``runs/confu`` (experiments/confu/README.md keeps only ``records/recipe_t0``).
   * ``smollm2_eagle3/regen_ttt7/table1.{md,tex}``: ``runs/recipe/grid`` and ``runs/recipe/pld`` of the earlier
     recipe.
-  * ``quickstart/sweep_demo_table6.md``: ``runs/sweep_demo/first``, never copied into the repository.
 Other tables under ``experiments/`` are written by the experiments' own scripts (``compare.py``,
 ``ablations.py``, ``report.py``, ``sweep.py``, ``categories.py``, ``curve.py``), not by draftlab-table.
 """
@@ -84,6 +83,10 @@ TABLES: list[tuple[str, list[str]]] = [
     ("specbound/table_t0.tex", ["specbound/records/eval", "--layout", "methods", "--format", "latex"]),
     ("specbound/table_sweep.md", ["specbound/records/sweep", "--layout", "methods"]),
     ("specbound/table_sweep.tex", ["specbound/records/sweep", "--layout", "methods", "--format", "latex"]),
+    ("quickstart/sweep_demo_table6.md", ["quickstart/records/sweep_demo", "--layout", "table6", "--ci",
+                                         "--format", "markdown"]),                  # quickstart/README.md
+    ("quickstart/sweep_demo_table1_ttt4.md", ["quickstart/records/sweep_demo", "--layout", "table1", "--ttt-length", "4",
+                                              "--ci", "--format", "markdown"]),
     ("serving/served_table.md", ["serving/records/dflash_b6", "serving/records/recipe_eagle3",
                                  "--layout", "served"]),                        # serving/README.md
 ]
