@@ -53,9 +53,14 @@ GRID = ["smollm2_eagle3/records/t0", "smollm2_eagle3/records/t0.7", "smollm2_eag
 D = "draft_opd/records/dflash"
 C = "draft_opd/records/recipe"
 
+CONFU_INTERVALS = ["confu/records/recipe_t0_intervals/eagle3", "confu/records/recipe_t0_intervals/eagle3_continue",
+                   "confu/records/recipe_t0_intervals/confu", "--layout", "table1", "--ci"]  # confu/README.md
+
 TABLES: list[tuple[str, list[str]]] = [
     ("confu/table1_recipe.md", CONFU_RECIPE),
     ("confu/table1_recipe.tex", [*CONFU_RECIPE, "--format", "latex"]),
+    ("confu/table1_recipe_intervals.md", CONFU_INTERVALS),
+    ("confu/table1_recipe_intervals.tex", [*CONFU_INTERVALS, "--format", "latex"]),
     ("dflash/table.md", DFLASH),
     ("dflash/table.tex", [*DFLASH, "--format", "latex"]),
     ("draft_opd/table_specbench.md", [*_named("ablations", "eval", OPD_ARMS), *JOINT_TABLE4]),
