@@ -435,7 +435,7 @@ def load_records(*paths: str | Path, kind: str | None = None, baselines: bool = 
 
 def eval_answer_files(path: str | Path) -> tuple[dict, dict[str, str]]:
     """(the ``eval`` block, {name: answer file}) of the first evaluation record under ``path``: the run's
-    method, the AR run (``ar``; ``baseline`` in older records) and every ``eval.baselines`` drafter. A record copied out of its run
+    method, the AR run (always under ``ar``; older records said ``baseline``) and every ``eval.baselines`` drafter. A record copied out of its run
     (``experiments/*/records``) keeps its answers beside it in ``answers/``, where they are looked up when
     the recorded paths no longer exist."""
     records = [r for r in load_records(path, baselines=False) if r.data.get("eval")]
@@ -443,6 +443,8 @@ def eval_answer_files(path: str | Path) -> tuple[dict, dict[str, str]]:
         raise RecordError(f"{path}: no evaluation record")
     ev = records[0].data["eval"]
     files = dict(ev["answer_files"])
+    if "baseline" in files and "ar" not in files:  # older records named the AR run "baseline"
+        files["ar"] = files.pop("baseline")
     for b in (ev.get("baselines") or {}).values():
         files.update({k: v for k, v in b.get("answer_files", {}).items() if k not in ("ar", "baseline")})
     here = records[0].path.parent / "answers"

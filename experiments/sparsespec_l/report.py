@@ -83,7 +83,7 @@ def main() -> None:
     except RecordError as e:
         raise SystemExit(str(e)) from None
     labels = {ev["method"]: ev["label"]} | {n: b["label"] for n, b in (ev.get("baselines") or {}).items()}
-    base_answers = load_answers(files.pop("ar") if "ar" in files else files.pop("baseline"))
+    base_answers = load_answers(files.pop("ar"))
     scores = ev.get("scores") or {}
     rows = {name: summarise(load_answers(path), base_answers, scores.get(name)) for name, path in files.items()}
     # AR's own tok/s over all its prompts (not only those a setting answered), as the summary line states it.

@@ -54,7 +54,7 @@ def main() -> None:
         _, files = eval_answer_files(args.run)
     except RecordError as e:
         raise SystemExit(str(e)) from None
-    base = {a["question_id"]: a for a in load_answers(files.pop("ar") if "ar" in files else files.pop("baseline"))}
+    base = {a["question_id"]: a for a in load_answers(files.pop("ar"))}
     tables = {name: per_category(load_answers(path), base) for name, path in files.items()}
     cats = list(next(iter(tables.values())))
     rows = [[name, *(f"{t[c]['sr']:.2f} / {t[c]['tau']:.2f} / {t[c]['exit_layer']:.1f}" for c in cats)]

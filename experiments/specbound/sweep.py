@@ -28,7 +28,7 @@ AXES = ("alpha", "tau", "d_max", "w_max")
 def point(run: Path) -> dict:
     """The settings and AVG numbers of one sweep point (a run directory holding one ``record.json``)."""
     ev, files = eval_answer_files(run)
-    ar_answers = files.pop("ar") if "ar" in files else files.pop("baseline")  # "baseline" in older records
+    ar_answers = files.pop("ar")
     base = {a["question_id"]: a for a in load_answers(ar_answers)}
     (name, path), = files.items()
     avg = per_category(load_answers(path), base)["AVG"]
