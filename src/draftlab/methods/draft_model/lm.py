@@ -1,0 +1,170 @@
+"""A draft language model with its own KV cache: the committed context, then scratch rows at explicit slots.
+
+``DraftLM`` keeps the draft's cache equal to a prefix of the sequence it is asked about: ``sync(context)``
+keeps the longest common prefix of what is cached and ``context`` and runs the rest, so a round after a
+rejection re-runs only the tokens that changed, and a caller that asks about a different sequence (the SSD
+worker's hypothetical outcomes) pays only for where it differs. Drafting writes scratch rows past the
+committed length with the mask each row needs (``rows``): a chain, a top-k tree or several branches at once.
+Rows of a chain that later turn out to be context are kept instead of re-run (``sync`` checks them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from draftlab.decoding.dynamic_tree import FrontierBatch, build_dynamic_tree
+from draftlab.decoding.sampling import logits_to_probs, sample
+from draftlab.decoding.tree import DraftTree
+from draftlab.targets.base import PassRequest
+from draftlab.targets.hf import HFTarget
+
+# q -> q': the distribution a chain position is actually drawn from, given the position, the raw logits z and q
+Reshape = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Sampling:
+    """The sampling settings a draft token is drawn under (the engine's: ``DecodeState``)."""
+
+    temperature: float
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def of(cls, state) -> Sampling:
+        return cls(state.temperature, state.top_k, state.top_p, state.generator)
+
+    def draw(self, z: torch.Tensor, reshape: Reshape | None = None, position: int = 0
+             ) -> tuple[int, torch.Tensor | None]:
+        """One token from logits ``z [V]``: the argmax at T = 0 (no distribution), else a draw from
+        ``q = logits_to_probs(z)`` (reshaped when asked), returned with the distribution it was drawn from."""
+        if self.temperature == 0:
+            return int(z.argmax()), None
+        q = logits_to_probs(z, self.temperature, self.top_k, self.top_p)  # [V]
+        if reshape is not None:
+            q = reshape(position, z, q)
+        return int(sample(q, self.generator)), q
+
+
+@dataclass
+class Speculation:
+    """A chain drafted after a context: ``tokens [K]`` and, when sampled, ``probs [K, V]`` (row j: the
+    distribution tokens[j] was drawn from, what the verifier must be told)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None
+
+    def tree(self, root: int) -> DraftTree:
+        return DraftTree.chain(root, self.tokens, draft_probs=self.probs)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftLM:
+    """A draft model (an ``HFTarget``: the explicit-cache forward) and its KV cache (see the module docstring)."""
+
+    def __init__(self, model: HFTarget, *, initial_length: int = 1024):
+        self.model = model
+        self.cache = None
+        self.context: list[int] = []  # the tokens whose K/V are committed, in order
+        self._initial = int(initial_length)
+        self._pending: list[int] = []  # tokens of the scratch rows at [length, length + n), a causal chain
+
+    @property
+    def length(self) -> int:
+        return len(self.context)
+
+    def _ensure(self, rows: int) -> None:
+        """Room for ``rows`` slots in all; a grown cache keeps the committed rows (and the pending chain)."""
+        old = self.cache
+        if old is not None and old.max_length >= rows:
+            return
+        size = max(rows, self._initial, 2 * (old.max_length if old is not None else 0))
+        new = self.model.new_cache(1, size)
+        if old is not None:
+            keep = old.length + len(self._pending)
+            new.k[..., :keep, :] = old.k[..., :keep, :]
+            new.v[..., :keep, :] = old.v[..., :keep, :]
+            new.length = old.length
+        self.cache = new
+
+    def sync(self, context: list[int], spare: int = 64) -> None:
+        """Make the committed cache hold exactly ``context`` (with ``spare`` scratch slots after it)."""
+        self._ensure(len(context) + spare)
+        n = _common_prefix(self.context, context)
+        if n < self.length:
+            self.cache.truncate(n)
+            del self.context[n:]
+            self._pending = []
+        if self._pending:  # chain rows already computed after the committed context: keep those that match
+            m = _common_prefix(self._pending, context[n:])
+            if m:
+                self.cache.commit(m)
+                self.context.extend(self._pending[:m])
+                n += m
+            self._pending = []
+        rest = context[n:]
+        if rest:
+            ids = torch.tensor([rest], dtype=torch.long, device=self.model.device)  # [1, R]
+            self.model.forward(ids, cache=self.cache,
+                               request=PassRequest(logits_rows=torch.empty(0, dtype=torch.long)))
+            self.cache.commit(len(rest))
+            self.context.extend(rest)
+
+    def rows(self, tokens: list[int], slots: list[int], positions: list[int], sees: list[list[int]]
+             ) -> torch.Tensor:
+        """Draft logits ``[R, V]`` of rows ``tokens`` written at scratch ``slots`` (>= ``length``), at
+        ``positions``; row r attends to the committed context and to the scratch slots ``sees[r]`` (its
+        ancestors and itself, all written by now or in this call)."""
+        n, dev = self.length, self.model.device
+        S = max(max(s) for s in sees) + 1
+        self._ensure(S)
+        mask = torch.zeros(len(tokens), S, dtype=torch.bool)  # [R, S]
+        mask[:, :n] = True
+        for r, seen in enumerate(sees):
+            mask[r, seen] = True
+        x = self.model.embed(torch.tensor([tokens], dtype=torch.long, device=dev))  # [1, R, d]
+        out = self.model.forward_layers(x, 0, self.model.geometry.num_layers, cache=self.cache,
+                                        position_ids=torch.tensor(positions, device=dev),
+                                        attn_mask=mask.to(dev), slots=torch.tensor(slots, device=dev))
+        return self.model.lm_head(out.hidden)[0].float()  # [R, V]
+
+    def chain(self, context: list[int], depth: int, sampling: Sampling, reshape: Reshape | None = None
+              ) -> Speculation:
+        """``depth`` tokens drafted one at a time after ``context`` (whose last token is the root)."""
+        self.sync(context[:-1], spare=depth + 1)
+        n, tok = self.length, context[-1]
+        fed, tokens, probs = [], [], []
+        for j in range(depth):
+            fed.append(tok)
+            z = self.rows([tok], [n + j], [n + j], [list(range(n, n + j + 1))])[0]  # [V]
+            tok, q = sampling.draw(z, reshape, j)
+            tokens.append(tok)
+            if q is not None:
+                probs.append(q)
+        self._pending = fed  # rows [n, n + depth) hold root, x1 .. x_{K-1}
+        return Speculation(tokens, torch.stack(probs) if probs else None)
+
+    def tree(self, context: list[int], *, depth: int, branching: int, nodes: int) -> DraftTree:
+        """An EAGLE-2 dynamic top-k tree grown with the draft model (deterministic candidates)."""
+        self.sync(context[:-1], spare=1 + branching * branching * depth + branching)
+        n = self.length
+        self._pending = []
+
+        def expand(f: FrontierBatch) -> torch.Tensor:
+            ids = f.node_ids.tolist()
+            sees = [(n + f.ancestor_mask[r].nonzero().flatten()).tolist() for r in range(len(ids))]
+            z = self.rows(f.tokens.tolist(), [n + i for i in ids], [n + f.depth] * len(ids), sees)  # [F, V]
+            return torch.log_softmax(z, dim=-1)
+
+        return build_dynamic_tree(context[-1], expand, branching=branching, depth=depth, nodes=nodes)
