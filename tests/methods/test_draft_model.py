@@ -11,9 +11,9 @@ import torch
 
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
 from draftlab.decoding.sampling import logits_to_probs, sample
+from draftlab.decoding.speculator import Sampling
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.draft_model import DraftLM, DraftModelDrafter
-from draftlab.methods.draft_model.lm import Sampling
 from draftlab.methods.draft_model.model import load_draft_model, truncated_model
 from tests.decoding.conformance.checks import check_first_round_law, check_greedy_equals_ar
 from tests.decoding.conformance.methods import first_round_prompt

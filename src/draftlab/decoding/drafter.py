@@ -24,6 +24,9 @@ explicitly to inherit those defaults, so the engine never probes a drafter for o
 - ``reset(state)`` once per sequence after prefill, ``propose(state)`` and ``update(state, out)`` per round.
 - ``sequence_stats()`` once per sequence at the end: a flat ``{name: number}`` of what the drafter did
   (SpecBound's exit depths), kept in ``DecodeStats.drafter_stats`` and in answer records. Default ``None``.
+- ``speculator(target)``: a ``decoding.speculator.Speculator`` that drafts after any sequence, verified or
+  not (a draft model can; a drafter that reads the target's features of verified tokens cannot), for
+  drafters that prepare the next round before verification ends (SSD). Default ``None``.
 - ``close()`` once, by whoever built the drafter, when it is done with it (also after an error): a drafter
   that holds a worker process, a server connection or a file releases it here. Default: nothing held.
   Owners use ``with contextlib.closing(drafter):`` or ``closing_all`` for several.
@@ -72,10 +75,10 @@ How every method on the roadmap fits:
   (``draft_probs``) when sampled, so the min(1, p/q) rule stays exact. A sparse-KV drafter asks for
   ``attention_rows`` and ranks cache slots by the mass the verify pass already computed.
 - **Block drafters (DFlash).** A block of tokens proposed in one shot is a chain: ``DraftTree.chain``.
-- **Speculation caches (SSD/Saguaro).** The drafter pre-computes trees for likely verification outcomes
-  while the target verifies; ``update(state, out)`` receives the exact outcome (``out.result.path`` +
-  bonus, and the rejected nodes), which is the key of its cache, and ``propose`` returns the
-  pre-computed tree on a hit.
+- **Speculation caches (SSD/Saguaro).** The drafter pre-computes chains for likely verification outcomes
+  while the target verifies, with its primary's ``speculator``; ``update(state, out)`` receives the exact
+  outcome (``out.result.path`` + bonus), which is the key of its cache, and ``propose`` returns the
+  pre-computed chain on a hit.
 - **On-policy training.** ``out.logits`` are the target logits at every tree node (the ones the verifier
   used) and ``out.result.rejected`` the nodes where the walk stopped; ``speculative_generate(...,
   trace=True)`` records the same per round (``engine.RoundTrace``).
@@ -220,6 +223,11 @@ class Drafter(Protocol):
 
     def sequence_stats(self) -> dict[str, float] | None:
         """Numbers about the sequence just decoded (``{name: int | float}``), or ``None`` (the default)."""
+        return None
+
+    def speculator(self, target):
+        """A ``decoding.speculator.Speculator`` drafting after any sequence beside ``target``, or ``None`` (the
+        default): this drafter only drafts from verified state."""
         return None
 
     def close(self) -> None:

@@ -328,7 +328,7 @@ def first_round_p_value(laws: np.ndarray, observed: np.ndarray, *, samples: int 
 
 def check_first_round_law(target, make_drafter: Callable[[], Drafter], prompt: list[int], *, temperature: float,
                           trials: int, top_k: int | None = None, top_p: float | None = None,
-                          engine=speculative_generate, alpha: float = ALPHA_FIRST_ROUND) -> dict:
+                          engine=speculative_generate, alpha: float = ALPHA_FIRST_ROUND, at: int = 1) -> dict:
     """Sampling exactness with power: the law of the first tokens a drafter's first round emits.
 
     Each trial decodes 3 tokens from ``prompt`` with its own seed: ``y1`` comes from the prefill (the target
@@ -348,19 +348,24 @@ def check_first_round_law(target, make_drafter: Callable[[], Drafter], prompt: l
     share of rounds times its bias, so a draft that is rarely accepted hides it (``test_drafter_mutants.py``
     gives the check a draft that is accepted, and kills each slip there). Returns the statistics and the
     draft tokens accepted in first rounds (a check that passes with nothing accepted proves little).
+
+    ``at``: test the output tokens ``at`` and ``at + 1`` instead of 1 and 2 (each under its law given the
+    prompt and the output before it), for drafters whose interesting rounds come later (SSD's first cached
+    chain is verified in the second round); fixed positions, never positions chosen by how rounds fell, which
+    would condition on the verifier's coins. Accepted tokens are then counted over every round.
     """
     with closing(make_drafter()) as drafter:  # the owner closes what it builds
         rows, accepted = [], 0
         for seed in range(trials):
-            cfg = GenerationConfig(max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                   stop_on_eos=False, max_tree_rows=DECLARED_ONLY)
+            cfg = GenerationConfig(max_new_tokens=at + 2, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   seed=seed, stop_on_eos=False, max_tree_rows=DECLARED_ONLY)
             out, stats = run(target, drafter, prompt, cfg, engine)
-            accepted += len(stats.trace[0].path) - 1
-            rows.append(out[:3])
-    y = np.array(rows)  # [n, 3]
-    law2, bin2 = _rank_bin_laws(target, [prompt + [a] for a in y[:, 0].tolist()], y[:, 1].tolist(),
+            accepted += sum(len(r.path) - 1 for r in (stats.trace[:1] if at == 1 else stats.trace))
+            rows.append(out[:at + 2])
+    y = np.array(rows)  # [n, at + 2]
+    law2, bin2 = _rank_bin_laws(target, [prompt + r[:at] for r in y.tolist()], y[:, at].tolist(),
                                 temperature, top_k, top_p)
-    law3, bin3 = _rank_bin_laws(target, [prompt + [a, b] for a, b in y[:, :2].tolist()], y[:, 2].tolist(),
+    law3, bin3 = _rank_bin_laws(target, [prompt + r[:at + 1] for r in y.tolist()], y[:, at + 1].tolist(),
                                 temperature, top_k, top_p)
     laws = torch.cat([law2, law3], -1).numpy()  # [n, 2B]
     p, result = first_round_p_value(laws, torch.stack([bin2, bin3], -1).numpy())

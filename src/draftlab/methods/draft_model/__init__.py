@@ -2,6 +2,6 @@
 classic speculative-sampling baseline), e.g. the target's own first layers."""
 
 from draftlab.methods.draft_model.drafter import DraftModelDrafter
-from draftlab.methods.draft_model.lm import DraftLM, Speculation
+from draftlab.methods.draft_model.lm import DraftLM
 
-__all__ = ["DraftLM", "DraftModelDrafter", "Speculation"]
+__all__ = ["DraftLM", "DraftModelDrafter"]

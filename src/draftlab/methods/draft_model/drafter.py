@@ -13,8 +13,9 @@ first ``layers`` layers; or a model directory / hub id / ``asset:`` name sharing
 from __future__ import annotations
 
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
+from draftlab.decoding.speculator import Sampling
 from draftlab.decoding.tree import DraftTree
-from draftlab.methods.draft_model.lm import DraftLM, Sampling
+from draftlab.methods.draft_model.lm import DraftLM
 from draftlab.methods.draft_model.model import load_draft_model
 
 
@@ -44,6 +45,10 @@ class DraftModelDrafter(Drafter):
             self.lm = DraftLM(load_draft_model(self.source, target, self.layers))
             self._target_id = id(target)
         return self.lm
+
+    def speculator(self, target) -> DraftLM:
+        """The draft model drafts after any sequence (``decoding.speculator``): SSD's primary."""
+        return self.draft_lm(target)
 
     def reset(self, state: DecodeState) -> None:
         self.draft_lm(state.target)

@@ -10,56 +10,15 @@ Rows of a chain that later turn out to be context are kept instead of re-run (``
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from draftlab.decoding.dynamic_tree import FrontierBatch, build_dynamic_tree
-from draftlab.decoding.sampling import logits_to_probs, sample
+from draftlab.decoding.speculator import Reshape, Sampling, Speculation
 from draftlab.decoding.tree import DraftTree
 from draftlab.targets.base import PassRequest
 from draftlab.targets.hf import HFTarget
-
-# q -> q': the distribution a chain position is actually drawn from, given the position, the raw logits z and q
-Reshape = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Sampling:
-    """The sampling settings a draft token is drawn under (the engine's: ``DecodeState``)."""
-
-    temperature: float
-    top_k: int | None = None
-    top_p: float | None = None
-    generator: torch.Generator | None = None
-
-    @classmethod
-    def of(cls, state) -> Sampling:
-        return cls(state.temperature, state.top_k, state.top_p, state.generator)
-
-    def draw(self, z: torch.Tensor, reshape: Reshape | None = None, position: int = 0
-             ) -> tuple[int, torch.Tensor | None]:
-        """One token from logits ``z [V]``: the argmax at T = 0 (no distribution), else a draw from
-        ``q = logits_to_probs(z)`` (reshaped when asked), returned with the distribution it was drawn from."""
-        if self.temperature == 0:
-            return int(z.argmax()), None
-        q = logits_to_probs(z, self.temperature, self.top_k, self.top_p)  # [V]
-        if reshape is not None:
-            q = reshape(position, z, q)
-        return int(sample(q, self.generator)), q
-
-
-@dataclass
-class Speculation:
-    """A chain drafted after a context: ``tokens [K]`` and, when sampled, ``probs [K, V]`` (row j: the
-    distribution tokens[j] was drawn from, what the verifier must be told)."""
-
-    tokens: list[int]
-    probs: torch.Tensor | None
-
-    def tree(self, root: int) -> DraftTree:
-        return DraftTree.chain(root, self.tokens, draft_probs=self.probs)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -155,6 +114,53 @@ class DraftLM:
         self._pending = fed  # rows [n, n + depth) hold root, x1 .. x_{K-1}
         return Speculation(tokens, torch.stack(probs) if probs else None)
 
+    def glue(self, context: list[int], chain: list[int]) -> torch.Tensor:
+        """Logits ``[K+1, V]`` after ``context`` and after each token of ``chain`` (one pass of K+1 rows); the
+        rows stay as the pending chain, so the part that verification accepts is kept, not re-run."""
+        self.sync(context[:-1], spare=len(chain) + 1)
+        n, fed = self.length, [context[-1], *chain]
+        z = self.rows(fed, [n + i for i in range(len(fed))], [n + i for i in range(len(fed))],
+                      [list(range(n, n + i + 1)) for i in range(len(fed))])  # [K+1, V]
+        self._pending = fed
+        return z
+
+    def branches(self, starts: list[tuple[int, int]], depth: int, sampling: Sampling,
+                 reshape: Reshape | None = None) -> list[Speculation]:
+        """After ``glue``: for each ``(j, t)`` a chain of ``depth`` tokens after the glued context, its first
+        j chain tokens and ``t``; one pass of ``len(starts)`` rows per step, each row seeing its own branch."""
+        n, glued, B = self.length, len(self._pending), len(starts)
+        if not starts or depth == 0:
+            return [Speculation([], None) for _ in starts]
+        if max(j for j, _ in starts) >= glued:
+            raise ValueError(f"a branch starts after position {max(j for j, _ in starts)}, the glued chain has "
+                             f"{glued - 1} tokens")
+        self._ensure(n + glued + B * depth)  # before any branch row exists: growing keeps only glued rows
+        sees = [list(range(n, n + j + 1)) for j, _ in starts]
+        tokens, positions = [t for _, t in starts], [n + j + 1 for j, _ in starts]
+        drafted: list[list[int]] = [[] for _ in starts]
+        laws: list[list[torch.Tensor]] = [[] for _ in starts]
+        free = n + glued
+        for step in range(depth):
+            slots = list(range(free, free + B))
+            free += B
+            sees = [seen + [slot] for seen, slot in zip(sees, slots)]
+            z = self.rows(tokens, slots, positions, sees)  # [B, V]
+            for b in range(B):
+                tok, q = sampling.draw(z[b], reshape, step)
+                drafted[b].append(tok)
+                if q is not None:
+                    laws[b].append(q)
+            tokens, positions = [d[-1] for d in drafted], [p + 1 for p in positions]
+        return [Speculation(d, torch.stack(q) if q else None) for d, q in zip(drafted, laws)]
+
+    def portable(self):
+        """A picklable factory of an independent copy: the weights cloned (shared ones once), the config and
+        the tokenizer; the copy builds its own cache."""
+        model = self.model.model
+        clones: dict[int, torch.Tensor] = {}
+        state = {k: clones.setdefault(v.data_ptr(), v.detach().clone()) for k, v in model.state_dict().items()}
+        return partial(_rebuild, model.config.to_dict(), state, self.model.tokenizer, self._initial)
+
     def tree(self, context: list[int], *, depth: int, branching: int, nodes: int) -> DraftTree:
         """An EAGLE-2 dynamic top-k tree grown with the draft model (deterministic candidates)."""
         self.sync(context[:-1], spare=1 + branching * branching * depth + branching)
@@ -168,3 +174,13 @@ class DraftLM:
             return torch.log_softmax(z, dim=-1)
 
         return build_dynamic_tree(context[-1], expand, branching=branching, depth=depth, nodes=nodes)
+
+
+def _rebuild(config: dict, state: dict, tokenizer, initial_length: int) -> DraftLM:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**config)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=next(iter(state.values())).dtype)
+    model.load_state_dict(state)
+    model.tie_weights()  # a tied LM head arrives as the embedding's tensor: keep them one
+    return DraftLM(HFTarget(model, tokenizer, name="draft copy", row_kernels="gemm"), initial_length=initial_length)
