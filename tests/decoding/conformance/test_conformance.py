@@ -233,3 +233,28 @@ def test_auto_tree_greedy_equals_ar_and_sampling_follows_the_target(tiny_target,
     chosen = [n for s in sizes for n in s]
     if spec(name).trainable:
         assert len(set(chosen)) > 1 and max(chosen) > 0, f"sloped rows gave sizes {set(chosen)}: no cut exercised"
+
+
+@pytest.mark.parametrize("name", per_method(METHODS))
+def test_speculator_drafts_after_any_sequence(tiny_target, make_drafter, name):
+    """``Drafter.speculator``: None (drafts only from verified state), or a ``Speculator`` whose chain, glue pass,
+    branches and portable copy agree with each other (greedy)."""
+    from contextlib import closing
+
+    from draftlab.decoding.speculator import Sampling, Speculator
+
+    with closing(make_drafter(name)()) as drafter:
+        spec = drafter.speculator(tiny_target)
+        if spec is None:
+            return
+        assert isinstance(spec, Speculator)
+        greedy, ctx = Sampling(0.0), list(TRAIN_PROMPTS[1])
+        chain = spec.chain(ctx, 3, greedy).tokens
+        assert len(chain) == 3
+        copy = spec.portable()()
+        assert copy.chain(ctx, 3, greedy).tokens == chain  # an independent copy drafts the same
+        z = spec.glue(ctx, chain)  # [4, V]
+        assert z.shape[0] == 4 and z[:3].argmax(-1).tolist() == chain
+        a, b = spec.branches([(0, chain[0]), (3, 5)], 2, greedy)
+        assert a.tokens == chain[1:3]  # branching at the drafted token continues the chain
+        assert b.tokens == copy.chain(ctx + chain + [5], 2, greedy).tokens

@@ -1,0 +1,87 @@
+"""Speculating from an outcome that has not been verified yet: the seam SSD-style drafters build on.
+
+An ordinary drafter proposes from the verified state (``Drafter.propose(state)``). Speculative speculative
+decoding prepares the *next* round while the target still verifies this one, for each likely outcome
+``(j accepted, bonus t)``, so its primary must draft after any sequence it is given, verified or not.
+``Drafter.speculator(target)`` returns such an object, a ``Speculator``, or ``None`` when the drafter only
+drafts from verified target state (EAGLE-3's features of a hypothetical bonus token do not exist yet).
+
+A ``Speculator`` drafts chains; ``Sampling`` says how each token is drawn and ``Speculation`` carries the
+tokens with the law each was drawn from (what the verifier's ``min(1, p/q)`` rule must be told).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from draftlab.decoding.sampling import logits_to_probs, sample
+from draftlab.decoding.tree import DraftTree
+
+# (position j, logits z [V], q [V]) -> q': the law a chain's j-th token is actually drawn from
+Reshape = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Sampling:
+    """The sampling settings a draft token is drawn under (the engine's, ``DecodeState``), and the generator."""
+
+    temperature: float
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def of(cls, state) -> Sampling:
+        return cls(state.temperature, state.top_k, state.top_p, state.generator)
+
+    def draw(self, z: torch.Tensor, reshape: Reshape | None = None, position: int = 0
+             ) -> tuple[int, torch.Tensor | None]:
+        """One token from logits ``z [V]``: the argmax at T = 0 (no law to report), else a draw from
+        ``q = logits_to_probs(z)`` (reshaped when asked), returned with the law it was drawn from."""
+        if self.temperature == 0:
+            return int(z.argmax()), None
+        q = logits_to_probs(z, self.temperature, self.top_k, self.top_p)  # [V]
+        if reshape is not None:
+            q = reshape(position, z, q)
+        return int(sample(q, self.generator)), q
+
+
+@dataclass
+class Speculation:
+    """A chain drafted after a sequence: ``tokens [K]`` and, when sampled, ``probs [K, V]`` (row j: the law
+    tokens[j] was drawn from)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None
+
+    def tree(self, root: int) -> DraftTree:
+        return DraftTree.chain(root, self.tokens, draft_probs=self.probs)
+
+
+@runtime_checkable
+class Speculator(Protocol):
+    """Drafts after any sequence, verified or hypothetical (see the module docstring)."""
+
+    def chain(self, context: list[int], depth: int, sampling: Sampling, reshape: Reshape | None = None
+              ) -> Speculation:
+        """``depth`` tokens drafted one after another after ``context`` (its last token is the root)."""
+        ...
+
+    def glue(self, context: list[int], chain: list[int]) -> torch.Tensor:
+        """The draft's logits ``[K+1, V]`` after ``context`` and after each of ``chain``'s K tokens (one pass);
+        ``branches`` then drafts from this chain's positions."""
+        ...
+
+    def branches(self, starts: list[tuple[int, int]], depth: int, sampling: Sampling,
+                 reshape: Reshape | None = None) -> list[Speculation]:
+        """After ``glue(context, chain)``: for each ``(j, t)`` a chain of ``depth`` tokens drafted after
+        ``context + chain[:j] + [t]`` (all branches advance together)."""
+        ...
+
+    def portable(self) -> Callable[[], Speculator]:
+        """A picklable factory of an independent copy (its own weights and cache), for a worker process."""
+        ...

@@ -1,0 +1,36 @@
+"""The speculation cache: the next round's chains for the likely outcomes of the chain being verified.
+
+``build`` runs one glue pass of the draft over the chain (the draft's law after the root and after each
+chain token), picks the bonus candidates at every position (``saguaro.candidates``) and drafts a next chain
+after each outcome ``(j, t)``, all branches together. Every build replaces the whole cache: an entry is only
+ever an answer for the chain it was built from. ``lookup((j, t))`` returns the entry or ``None``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftlab.decoding.speculator import Sampling, Speculation, Speculator
+from draftlab.methods.ssd.saguaro import Reshaper, candidates
+
+
+class SpeculationCache:
+    def __init__(self, speculator: Speculator):
+        self.speculator = speculator
+        self.entries: dict[tuple[int, int], Speculation] = {}
+
+    def build(self, *, context: list[int], chain: list[int], fanout: list[int], depth: int, temperature: float,
+              top_k: int | None, top_p: float | None, seed: int, scale: float) -> None:
+        """Chains of ``depth`` tokens after ``context + chain[:j] + [t]`` for every candidate ``t`` at every j
+        (``fanout[j]`` of them); at T > 0 drawn with a generator seeded by ``seed`` and reshaped by σ_{F,C}."""
+        self.entries = {}
+        z = self.speculator.glue(context, chain)  # [K+1, V]
+        starts = [(j, t) for j in range(len(chain) + 1)
+                  for t in candidates(z[j], fanout[j], chain[j] if j < len(chain) else None)]
+        gen = torch.Generator(device=z.device).manual_seed(int(seed)) if temperature > 0 else None
+        sampling = Sampling(temperature, top_k, top_p, gen)
+        chains = self.speculator.branches(starts, depth, sampling, Reshaper(fanout, scale))
+        self.entries = dict(zip(starts, chains))
+
+    def lookup(self, key: tuple[int, int] | None) -> Speculation | None:
+        return None if key is None else self.entries.get(key)
