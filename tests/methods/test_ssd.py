@@ -302,3 +302,30 @@ def test_no_worker_outlives_a_killed_parent(tmp_path):
         assert not _alive(worker), f"worker {worker} outlived its killed parent"
     finally:
         parent.kill()
+
+
+# ---- calibration -----------------------------------------------------------------------------------------
+
+
+def test_calibration_measures_and_round_trips(tiny_target, tmp_path):
+    from draftlab.methods.draft_model import DraftModelDrafter
+    from draftlab.methods.ssd.calibrate import Calibration, fit_power, measure
+
+    assert fit_power({1: 1.0, 2: 0.5, 4: 0.25}) == pytest.approx(1.0)  # miss = 1/F exactly
+    drafter = DraftModelDrafter(layers=2, depth=3)  # the whole target: every chain accepted, bonus = its argmax
+    cal = measure(tiny_target, drafter, drafter.speculator(tiny_target), [TRAIN_PROMPTS[1], UNSEEN_PROMPT],
+                  depth=3, temperature=0.0, max_new_tokens=20)
+    assert cal.rounds >= 8 and cal.accept > 0.99
+    assert all(j == 3 and rank == 0 for j, rank in cal.outcomes)  # the draft's own argmax is the bonus
+    assert cal.hit_rate([1, 1, 1, 1]) == 1.0 and cal.hit_rate([1, 1, 1, 0]) == 0.0
+    cal.save(tmp_path / "cal.json")
+    again = Calibration.load(tmp_path / "cal.json")
+    assert again == cal
+    d = SSDDrafter(drafter, depth=3, fanout="geometric", budget=8, calibration=str(tmp_path / "cal.json"),
+                   worker="inline")
+    assert d.fanout == geometric_fanout(8, 3, accept=cal.accept, r=cal.power)
+    with pytest.raises(ValueError, match="calibrated for chains of 3 tokens"):
+        SSDDrafter(drafter, depth=4, fanout="geometric", calibration=str(tmp_path / "cal.json"), worker="inline")
+    (tmp_path / "bad.json").write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="field 'format'"):
+        Calibration.load(tmp_path / "bad.json")

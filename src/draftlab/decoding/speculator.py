@@ -77,9 +77,10 @@ class Speculator(Protocol):
         ...
 
     def branches(self, starts: list[tuple[int, int]], depth: int, sampling: Sampling,
-                 reshape: Reshape | None = None) -> list[Speculation]:
+                 reshape: Reshape | None = None, stop: Callable[[], bool] | None = None) -> list[Speculation] | None:
         """After ``glue(context, chain)``: for each ``(j, t)`` a chain of ``depth`` tokens drafted after
-        ``context + chain[:j] + [t]`` (all branches advance together)."""
+        ``context + chain[:j] + [t]`` (all branches advance together). ``stop`` is asked after every step;
+        True abandons the branches (returns None)."""
         ...
 
     def portable(self) -> Callable[[], Speculator]:

@@ -48,6 +48,9 @@ def answer_record(question, turns: Sequence, model_id: str, *, index: int = 0, *
         "wall_time": [t.stats.wall_time for t in turns],
         "prefill_time": [t.stats.prefill_time for t in turns],
         "accept_lengths": [a for t in turns for a in t.stats.accept_lengths],
+        # seconds in the drafter's propose and in the verify passes, per turn (cost models read them)
+        "draft_time": [sum(t.stats.draft_times) for t in turns],
+        "verify_time": [sum(t.stats.verify_times) for t in turns],
     }
     drafter_stats = [getattr(t.stats, "drafter_stats", None) for t in turns]
     if any(d is not None for d in drafter_stats):

@@ -10,6 +10,7 @@ Rows of a chain that later turn out to be context are kept instead of re-run (``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -125,9 +126,10 @@ class DraftLM:
         return z
 
     def branches(self, starts: list[tuple[int, int]], depth: int, sampling: Sampling,
-                 reshape: Reshape | None = None) -> list[Speculation]:
+                 reshape: Reshape | None = None, stop: Callable[[], bool] | None = None) -> list[Speculation] | None:
         """After ``glue``: for each ``(j, t)`` a chain of ``depth`` tokens after the glued context, its first
-        j chain tokens and ``t``; one pass of ``len(starts)`` rows per step, each row seeing its own branch."""
+        j chain tokens and ``t``; one pass of ``len(starts)`` rows per step, each row seeing its own branch.
+        ``stop()`` after every step: True abandons them (None)."""
         n, glued, B = self.length, len(self._pending), len(starts)
         if not starts or depth == 0:
             return [Speculation([], None) for _ in starts]
@@ -151,6 +153,8 @@ class DraftLM:
                 if q is not None:
                     laws[b].append(q)
             tokens, positions = [d[-1] for d in drafted], [p + 1 for p in positions]
+            if stop is not None and stop():
+                return None
         return [Speculation(d, torch.stack(q) if q else None) for d, q in zip(drafted, laws)]
 
     def portable(self):

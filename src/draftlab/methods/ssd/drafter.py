@@ -28,6 +28,7 @@ import torch
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.speculator import Sampling, Speculation, Speculator
 from draftlab.decoding.tree import DraftTree
+from draftlab.methods.ssd.calibrate import Calibration
 from draftlab.methods.ssd.saguaro import Reshaper, geometric_fanout, uniform_fanout
 from draftlab.methods.ssd.worker import InlineWorker, ProcessWorker
 
@@ -40,14 +41,16 @@ class SSDDrafter(Drafter):
     """primary         the speculator's drafter (a nested method's: ``Drafter.speculator`` must not be None).
     depth           tokens per chain (K).
     fanout          ``uniform`` (``width`` candidates per outcome position) or ``geometric`` (a ``budget``
-                    spread by ``accept`` a and ``power`` r, Saguaro's Thm 12).
+                    spread by ``accept`` a and ``power`` r, Saguaro's Thm 12; ``calibration``: the path of a
+                    measured ``calibrate.Calibration``, whose a and r are used instead).
     scale           Saguaro's C in (0, 1]: 1 is plain sampling from q.
     backup          ``jit`` (the primary drafts on a miss) or ``fast`` (``fast``, a deterministic drafter).
     worker          ``process`` (its own process, ``worker_threads`` threads, on ``worker_cpus``) or ``inline``.
     """
 
     def __init__(self, primary: Drafter, *, depth: int = 4, fanout: str = "uniform", width: int = 3,
-                 budget: int = 12, accept: float = 0.6, power: float = 1.0, scale: float = 1.0,
+                 budget: int = 12, accept: float = 0.6, power: float = 1.0, calibration: str | None = None,
+                 scale: float = 1.0,
                  backup: str = "jit", fast: Drafter | None = None, worker: str = "process", worker_threads: int = 1,
                  worker_cpus: list[int] | None = None):
         if backup not in BACKUPS or worker not in WORKERS or fanout not in FANOUTS:
@@ -58,6 +61,12 @@ class SSDDrafter(Drafter):
         if backup == "fast" and fast is None:
             raise ValueError("backup 'fast' needs a fast drafter (drafter.fast)")
         self.primary, self.fast, self.depth = primary, fast, int(depth)
+        if calibration is not None:  # a measured a and r replace the configured ones
+            cal = Calibration.load(calibration)
+            if cal.depth != self.depth:
+                raise ValueError(f"{calibration}: calibrated for chains of {cal.depth} tokens, this drafter drafts "
+                                 f"{self.depth}")
+            accept, power = cal.accept, cal.power
         self.fanout = (uniform_fanout(width, self.depth) if fanout == "uniform"
                        else geometric_fanout(budget, self.depth, accept=accept, r=power))
         self.scale, self.backup = float(scale), backup

@@ -17,11 +17,13 @@ import signal
 import time
 import weakref
 from collections.abc import Callable
+from functools import partial
 
 from draftlab.decoding.speculator import Speculation
 from draftlab.methods.ssd.cache import SpeculationCache
 
 _STARTUP_S = 300.0  # spawning a Python with torch and copying a draft in
+_NO_KEY = object()
 
 
 class InlineWorker:
@@ -58,6 +60,14 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
+def _outcome_is_elsewhere(conn, arrived: list, keys: set) -> bool:
+    """After the glue pass the keys are known: an outcome that has already arrived (kept in ``arrived``) and is
+    not among them makes the branches useless; so does a stop."""
+    if not arrived and conn.poll():
+        arrived.append(conn.recv())
+    return bool(arrived) and (arrived[0][0] != "lookup" or arrived[0][1] not in keys)
+
+
 def _serve(conn, make_speculator: Callable, threads: int, cpus: list[int] | None, parent: int) -> None:
     """The worker's loop (runs in the child)."""
     _die_with_parent(parent)
@@ -68,18 +78,26 @@ def _serve(conn, make_speculator: Callable, threads: int, cpus: list[int] | None
         os.sched_setaffinity(0, set(cpus))
     cache = SpeculationCache(make_speculator())
     conn.send(("ready",))
-    built = 0.0
+    built, early = 0.0, _NO_KEY
     while True:
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):  # the owner is gone
-            return
+        if early is not _NO_KEY:  # the lookup arrived during the build
+            kind, payload, early = "lookup", early, _NO_KEY
+        else:
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):  # the owner is gone
+                return
         if kind == "stop":
             return
         if kind == "build":
+            arrived: list = []
             t0 = time.perf_counter()
-            cache.build(**payload)
+            cache.build(**payload, give_up=partial(_outcome_is_elsewhere, conn, arrived))
             built = time.perf_counter() - t0
+            if arrived:
+                if arrived[0][0] == "stop":
+                    return
+                early = arrived[0][1]
         elif kind == "lookup":
             conn.send(("spec", cache.lookup(payload), built))
 
