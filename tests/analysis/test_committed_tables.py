@@ -56,11 +56,16 @@ C = "draft_opd/records/recipe"
 CONFU_INTERVALS = ["confu/records/recipe_t0_intervals/eagle3", "confu/records/recipe_t0_intervals/eagle3_continue",
                    "confu/records/recipe_t0_intervals/confu", "--layout", "table1", "--ci"]  # confu/README.md
 
+CONFU_GRID = [f"confu/records/recipe_grid_intervals/{m}" for m in ("eagle3", "eagle3_continue", "confu")] + [
+    "--layout", "table1", "--ci"]  # confu/README.md
+
 TABLES: list[tuple[str, list[str]]] = [
     ("confu/table1_recipe.md", CONFU_RECIPE),
     ("confu/table1_recipe.tex", [*CONFU_RECIPE, "--format", "latex"]),
     ("confu/table1_recipe_intervals.md", CONFU_INTERVALS),
     ("confu/table1_recipe_intervals.tex", [*CONFU_INTERVALS, "--format", "latex"]),
+    ("confu/table1_grid_ci.md", CONFU_GRID),
+    ("confu/table1_grid_ci.tex", [*CONFU_GRID, "--format", "latex"]),
     ("dflash/table.md", DFLASH),
     ("dflash/table.tex", [*DFLASH, "--format", "latex"]),
     ("draft_opd/table_specbench.md", [*_named("ablations", "eval", OPD_ARMS), *JOINT_TABLE4]),
