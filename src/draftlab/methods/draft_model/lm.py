@@ -89,14 +89,16 @@ class DraftLM:
         n, dev = self.length, self.model.device
         S = max(max(s) for s in sees) + 1
         self._ensure(S)
-        mask = torch.zeros(len(tokens), S, dtype=torch.bool)  # [R, S]
+        # Built where the draft runs: the mask grows with the context (the committed part is all True).
+        rows = torch.tensor([r for r, seen in enumerate(sees) for _ in seen], device=dev)
+        cols = torch.tensor([c for seen in sees for c in seen], device=dev)
+        mask = torch.zeros(len(tokens), S, dtype=torch.bool, device=dev)  # [R, S]
         mask[:, :n] = True
-        for r, seen in enumerate(sees):
-            mask[r, seen] = True
+        mask[rows, cols] = True
         x = self.model.embed(torch.tensor([tokens], dtype=torch.long, device=dev))  # [1, R, d]
         out = self.model.forward_layers(x, 0, self.model.geometry.num_layers, cache=self.cache,
                                         position_ids=torch.tensor(positions, device=dev),
-                                        attn_mask=mask.to(dev), slots=torch.tensor(slots, device=dev))
+                                        attn_mask=mask, slots=torch.tensor(slots, device=dev))
         return self.model.lm_head(out.hidden)[0].float()  # [R, V]
 
     def chain(self, context: list[int], depth: int, sampling: Sampling, reshape: Reshape | None = None
