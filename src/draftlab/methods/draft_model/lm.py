@@ -77,7 +77,7 @@ class DraftLM:
         if rest:
             ids = torch.tensor([rest], dtype=torch.long, device=self.model.device)  # [1, R]
             self.model.forward(ids, cache=self.cache,
-                               request=PassRequest(logits_rows=torch.empty(0, dtype=torch.long)))
+                               request=PassRequest(logits_rows=torch.empty(0, dtype=torch.long, device=ids.device)))
             self.cache.commit(len(rest))
             self.context.extend(rest)
 

@@ -150,7 +150,7 @@ class SSDDrafter(Drafter):
     def _backup(self, state: DecodeState) -> DraftTree:
         if self.backup == "fast":
             tree = self.fast.propose(state)
-            if not bool((tree.parents[1:] == torch.arange(tree.size - 1)).all()):
+            if not bool((tree.parents[1:] == torch.arange(tree.size - 1, device=tree.parents.device)).all()):
                 raise ValueError("SSD's fast backup must propose a chain (e.g. prompt lookup with num_branches=1)")
             return DraftTree.chain(state.root, tree.tokens[1:])  # deterministic: no draft law
         reshape = Reshaper(self.fanout, self.scale) if self.scale < 1.0 else None
