@@ -172,7 +172,8 @@ def test_a_drafter_refuses_a_draft_that_is_not_on_the_targets_device(tiny_target
 # ---- the draft cache and the features of every round ----------------------------------------------------
 
 
-FEATURE_DRAFTERS = [n for n in TRAINABLE if not n.startswith(("confu", "specbound"))]
+# SSD's feature primary keeps its cache in its speculator (the test below).
+FEATURE_DRAFTERS = [n for n in TRAINABLE if not n.startswith(("confu", "specbound", "ssd"))]
 
 
 @pytest.mark.parametrize("name", FEATURE_DRAFTERS)
@@ -185,6 +186,18 @@ def test_the_draft_cache_is_made_on_the_targets_device_from_features_left_there(
     learned = getattr(drafter, "learned", drafter)  # a hybrid's learned part
     cache = getattr(learned, "_ctx", None) or learned.cache  # DFlash's context K/V | EAGLE-3's draft KV
     assert cache.k.device == META and cache.v.device == META
+
+
+def test_the_eagle3_speculator_keeps_its_cache_beside_the_target(meta_target, saved):
+    # What SSD's worker copy computes every round: the verified rows from features left on the target's device,
+    # then drafting rows past them, all on that device.
+    s = spec("eagle3")
+    drafter = s.build_drafter(s.load(saved("eagle3"), meta_target))
+    speculator = drafter.speculator(meta_target)
+    state = _state(meta_target, _aux(drafter, meta_target, 12))
+    speculator.absorb(speculator.verified(state))
+    z = speculator.glue(state.tokens, [5, 6, 7])  # [4, V]
+    assert speculator.rows.cache.k.device == META and z.device == META and z.shape[0] == 4
 
 
 def test_confu_keeps_its_future_token_and_draft_cache_beside_the_target(meta_target, saved):

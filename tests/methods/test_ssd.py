@@ -19,8 +19,6 @@ import torch
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
 from draftlab.decoding.sampling import logits_to_probs
 from draftlab.decoding.speculator import Sampling
-from draftlab.methods.draft_model import DraftLM
-from draftlab.methods.draft_model.model import truncated_model
 from draftlab.methods.registry import MethodSpec
 from draftlab.methods.ssd import SSDDrafter
 from draftlab.methods.ssd.cache import SpeculationCache
@@ -74,7 +72,8 @@ def test_saguaro_reshape_scales_the_top_tokens():
 
 class Checked(SSDDrafter):
     """The real drafter (inline worker, so a cache class can be swapped in) checked against a fresh copy of the
-    primary. At T = 0, after every lookup, the whole cache must be the cache of the chain proposed the round
+    primary's speculator, kept one round behind (in the verified state the cache was built in). At T = 0,
+    after every lookup, the whole cache must be the cache of the chain proposed the round
     before: its keys the candidates of that chain's fresh glue pass, each entry the fresh chain after
     ``context + chain[:j] + [t]``; and a served chain must be the fresh chain after the real sequence. At T > 0
     a served chain's reported rows must be the fresh laws (σ-reshaped) of its tokens after the real sequence."""
@@ -84,7 +83,7 @@ class Checked(SSDDrafter):
     def _start(self, target):
         super()._start(target)
         self.worker.cache = self.cache_cls(self.worker.cache.speculator)
-        self.fresh = DraftLM(truncated_model(target, self.primary.layers))
+        self.fresh = self._speculator.portable()()
         self.checked = 0
         self._last = None
 
@@ -104,6 +103,7 @@ class Checked(SSDDrafter):
 
     def propose(self, state):
         looked_up = self._outstanding
+        verified = self._speculator.verified(state)
         tree = super().propose(state)
         if state.temperature == 0 and looked_up and self._last is not None:
             self._check_cache(*self._last)
@@ -118,6 +118,7 @@ class Checked(SSDDrafter):
                                                                       state.top_p)) for j in range(len(served))])
                 torch.testing.assert_close(tree.draft_probs[1:], laws, rtol=1e-4, atol=1e-6, msg="stale law")
             self.checked += 1
+        self.fresh.absorb(verified)  # the verified state this round's cache is built in
         self._last = (list(state.tokens), tree.tokens[1:].tolist())
         return tree
 
@@ -163,7 +164,7 @@ def _ssd(layers: int, cache_cls=SpeculationCache, **kw) -> Checked:
     from draftlab.methods.draft_model import DraftModelDrafter
 
     cls = type("C", (Checked,), {"cache_cls": cache_cls})
-    return cls(DraftModelDrafter(layers=layers, depth=4), depth=4, worker="inline", **kw)
+    return cls(primary=DraftModelDrafter(layers=layers, depth=4), depth=4, worker="inline", **kw)
 
 
 def _decode(target, drafter, temperature: float, n: int = 40) -> None:
@@ -233,7 +234,7 @@ def test_powered_sampling_check_on_cached_rounds(tiny_target, case):
 
         cls = type("C", (SSDDrafter,), {"_start": lambda self, t: (SSDDrafter._start(self, t), setattr(
             self.worker, "cache", cache_cls(self.worker.cache.speculator)))})
-        d = cls(DraftModelDrafter(layers=2, depth=4), depth=4, worker="inline", scale=0.25, backup=backup,
+        d = cls(primary=DraftModelDrafter(layers=2, depth=4), depth=4, worker="inline", scale=0.25, backup=backup,
                 fast=PromptLookupDrafter(num_draft_tokens=4))
         made.append(d)
         return d
@@ -321,11 +322,11 @@ def test_calibration_measures_and_round_trips(tiny_target, tmp_path):
     cal.save(tmp_path / "cal.json")
     again = Calibration.load(tmp_path / "cal.json")
     assert again == cal
-    d = SSDDrafter(drafter, depth=3, fanout="geometric", budget=8, calibration=str(tmp_path / "cal.json"),
+    d = SSDDrafter(primary=drafter, depth=3, fanout="geometric", budget=8, calibration=str(tmp_path / "cal.json"),
                    worker="inline")
     assert d.fanout == geometric_fanout(8, 3, accept=cal.accept, r=cal.power)
     with pytest.raises(ValueError, match="calibrated for chains of 3 tokens"):
-        SSDDrafter(drafter, depth=4, fanout="geometric", calibration=str(tmp_path / "cal.json"), worker="inline")
+        SSDDrafter(primary=drafter, depth=4, fanout="geometric", calibration=str(tmp_path / "cal.json"), worker="inline")
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="field 'format'"):
         Calibration.load(tmp_path / "bad.json")

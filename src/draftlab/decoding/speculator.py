@@ -8,6 +8,10 @@ drafts from verified target state (EAGLE-3's features of a hypothetical bonus to
 
 A ``Speculator`` drafts chains; ``Sampling`` says how each token is drawn and ``Speculation`` carries the
 tokens with the law each was drawn from (what the verifier's ``min(1, p/q)`` rule must be told).
+
+A draft that reads more of the verified sequence than its tokens (EAGLE-3: the target's features of every
+committed token) learns it through ``absorb(verified(state))``, once per round in order; ``verified`` is
+picklable, so a copy in another process is kept in step the same way. A draft model needs nothing: None.
 """
 
 from __future__ import annotations
@@ -81,6 +85,15 @@ class Speculator(Protocol):
         """After ``glue(context, chain)``: for each ``(j, t)`` a chain of ``depth`` tokens drafted after
         ``context + chain[:j] + [t]`` (all branches advance together). ``stop`` is asked after every step;
         True abandons the branches (returns None)."""
+        ...
+
+    def verified(self, state) -> object | None:
+        """What a copy must be told of the verified sequence ``state`` (a ``DecodeState`` after prefill or after a
+        round) besides its tokens, picklable; None when the tokens suffice."""
+        ...
+
+    def absorb(self, verified) -> None:
+        """Take in ``verified(state)`` (this object's or another copy's): every round's, in order."""
         ...
 
     def portable(self) -> Callable[[], Speculator]:

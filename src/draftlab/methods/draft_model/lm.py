@@ -159,6 +159,12 @@ class DraftLM:
                 return None
         return [Speculation(d, torch.stack(q) if q else None) for d, q in zip(drafted, laws)]
 
+    def verified(self, state) -> None:
+        return None  # the tokens are all a draft model reads: ``sync`` follows them
+
+    def absorb(self, verified) -> None:
+        pass
+
     def portable(self):
         """A picklable factory of an independent copy: the weights cloned (shared ones once), the config and
         the tokenizer; the copy builds its own cache."""

@@ -37,6 +37,7 @@ from draftlab.decoding.dynamic_tree import FrontierBatch, TopCandidates, build_d
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.eagle3.draft_cache import DraftRows
 from draftlab.methods.eagle3.model import Eagle3Draft, SideKeys
+from draftlab.methods.eagle3.speculator import Eagle3Speculator
 from draftlab.methods.placement import check_on_target_device
 
 
@@ -99,6 +100,7 @@ class Eagle3Drafter(Drafter):
             self._synced = _weights_version(self.draft)
         self.rows = DraftRows(self._compute, full_vocab=full_vocab)
         self.budget = tree_budget(tree, rows_per_node=rows_per_node)
+        self._speculator: Eagle3Speculator | None = None
 
     @property
     def full_vocab(self) -> bool:
@@ -189,6 +191,15 @@ class Eagle3Drafter(Drafter):
     def verify_rows(self, cfg) -> int:
         """Tree nodes of the largest tree: the root plus ``nodes`` proposals."""
         return self.nodes + 1
+
+    def speculator(self, target) -> Eagle3Speculator:
+        """The draft drafting past the verified rows on its own states (``speculator.py``): SSD's primary. It has
+        a cache of its own, so this drafter's rounds are not disturbed."""
+        self.check_compatible(target)
+        self._sync_compute()
+        if self._speculator is None:
+            self._speculator = Eagle3Speculator(self._compute, chunk=self.rows.chunk)
+        return self._speculator
 
     # ---- building blocks (composed by methods that extend EAGLE-3) -----------------------------------------
 

@@ -24,11 +24,13 @@ class SpeculationCache:
         self.entries: dict[tuple[int, int], Speculation] = {}
 
     def build(self, *, context: list[int], chain: list[int], fanout: list[int], depth: int, temperature: float,
-              top_k: int | None, top_p: float | None, seed: int, scale: float,
+              top_k: int | None, top_p: float | None, seed: int, scale: float, verified=None,
               give_up: Callable[[set], bool] | None = None) -> None:
         """Chains of ``depth`` tokens after ``context + chain[:j] + [t]`` for every candidate ``t`` at every j
-        (``fanout[j]`` of them); at T > 0 drawn with a generator seeded by ``seed`` and reshaped by σ_{F,C}."""
+        (``fanout[j]`` of them); at T > 0 drawn with a generator seeded by ``seed`` and reshaped by σ_{F,C}.
+        ``verified``: the round's ``Speculator.verified`` (the target's features a feature draft reads)."""
         self.entries = {}
+        self.speculator.absorb(verified)
         z = self.speculator.glue(context, chain)  # [K+1, V]
         starts = [(j, t) for j in range(len(chain) + 1)
                   for t in candidates(z[j], fanout[j], chain[j] if j < len(chain) else None)]

@@ -33,22 +33,26 @@ from draftlab.methods.ssd.saguaro import Reshaper, geometric_fanout, uniform_fan
 from draftlab.methods.ssd.worker import InlineWorker, ProcessWorker
 
 BACKUPS = ("jit", "fast")
-WORKERS = ("process", "inline")
+WORKERS = ("process", "inline", "none")
 FANOUTS = ("uniform", "geometric")
 
 
 class SSDDrafter(Drafter):
-    """primary         the speculator's drafter (a nested method's: ``Drafter.speculator`` must not be None).
+    """draft           a trained primary's draft (``conf/method/ssd_eagle3.yaml``): ``primary`` is then the factory
+                    of its drafter, called with it.
+    primary         the speculator's drafter (a nested method's: ``Drafter.speculator`` must not be None).
     depth           tokens per chain (K).
     fanout          ``uniform`` (``width`` candidates per outcome position) or ``geometric`` (a ``budget``
                     spread by ``accept`` a and ``power`` r, Saguaro's Thm 12; ``calibration``: the path of a
                     measured ``calibrate.Calibration``, whose a and r are used instead).
     scale           Saguaro's C in (0, 1]: 1 is plain sampling from q.
     backup          ``jit`` (the primary drafts on a miss) or ``fast`` (``fast``, a deterministic drafter).
-    worker          ``process`` (its own process, ``worker_threads`` threads, on ``worker_cpus``) or ``inline``.
+    worker          ``process`` (its own process, ``worker_threads`` threads, on ``worker_cpus``), ``inline``, or
+                    ``none``: no cache, every round is the backup -- synchronous speculative decoding with the
+                    same primary and the same sampling (the baseline SSD is measured against).
     """
 
-    def __init__(self, primary: Drafter, *, depth: int = 4, fanout: str = "uniform", width: int = 3,
+    def __init__(self, draft=None, *, primary: Drafter, depth: int = 4, fanout: str = "uniform", width: int = 3,
                  budget: int = 12, accept: float = 0.6, power: float = 1.0, calibration: str | None = None,
                  scale: float = 1.0,
                  backup: str = "jit", fast: Drafter | None = None, worker: str = "process", worker_threads: int = 1,
@@ -60,6 +64,8 @@ class SSDDrafter(Drafter):
             raise ValueError(f"scale (Saguaro's C) must be in (0, 1], got {scale}")
         if backup == "fast" and fast is None:
             raise ValueError("backup 'fast' needs a fast drafter (drafter.fast)")
+        if draft is not None:  # a trained primary: its drafter is built around the run's draft
+            primary = primary(draft)
         self.primary, self.fast, self.depth = primary, fast, int(depth)
         if calibration is not None:  # a measured a and r replace the configured ones
             cal = Calibration.load(calibration)
@@ -79,10 +85,14 @@ class SSDDrafter(Drafter):
         self._hit = False
         self._seed = 0
         self._round = 0
+        self._unabsorbed: list = []  # verified rows the engine-side speculator has not taken in (jit drafts lazily)
         self._stats: dict[str, float] = {}
 
     def verify_rows(self, cfg) -> int:
         return 1 + self.depth
+
+    def taps(self, target) -> list[int] | None:
+        return self.primary.taps(target)  # a feature primary (EAGLE-3) reads the verified tokens' features
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -93,15 +103,18 @@ class SSDDrafter(Drafter):
                              "outcome (its Drafter.speculator is None); use a primary that can, e.g. "
                              "method@method.primary=draft_model")
         self._speculator = speculator
+        if self.worker_kind == "none":
+            return
         if self.worker_kind == "inline":
             self.worker = InlineWorker(speculator.portable()())
         else:
             self.worker = ProcessWorker(speculator.portable(), threads=self.worker_threads, cpus=self.worker_cpus)
 
     def reset(self, state: DecodeState) -> None:
-        if self.worker is None:
+        if self._speculator is None:
             self._start(state.target)
         self._drain()
+        self._unabsorbed = []
         if self.fast is not None:
             self.fast.reset(state)
         dev = state.generator.device if state.generator is not None else "cpu"
@@ -119,12 +132,16 @@ class SSDDrafter(Drafter):
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+        self._speculator = None
         self._outstanding = False
 
     # ---- rounds ------------------------------------------------------------------------------------
 
     def propose(self, state: DecodeState) -> DraftTree:
         spec = None
+        verified = self._speculator.verified(state)  # what the worker's copy learns of this round's outcome
+        if verified is not None and self.backup == "jit":
+            self._unabsorbed.append(verified)
         if self._outstanding:
             t0 = time.perf_counter()
             spec, built = self.worker.lookup(self._outcome)
@@ -141,10 +158,11 @@ class SSDDrafter(Drafter):
             tree = self._backup(state)
             self._stats["backup_s"] += time.perf_counter() - t0
         self._round += 1
-        self.worker.build(context=list(state.tokens), chain=tree.tokens[1:].tolist(), fanout=self.fanout,
-                          depth=self.depth, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
-                          seed=self._seed + self._round, scale=self.scale)
-        self._outstanding = True
+        if self.worker is not None:
+            self.worker.build(context=list(state.tokens), chain=tree.tokens[1:].tolist(), verified=verified,
+                              fanout=self.fanout, depth=self.depth, temperature=state.temperature, top_k=state.top_k,
+                              top_p=state.top_p, seed=self._seed + self._round, scale=self.scale)
+            self._outstanding = True
         return tree
 
     def _backup(self, state: DecodeState) -> DraftTree:
@@ -153,6 +171,9 @@ class SSDDrafter(Drafter):
             if not bool((tree.parents[1:] == torch.arange(tree.size - 1, device=tree.parents.device)).all()):
                 raise ValueError("SSD's fast backup must propose a chain (e.g. prompt lookup with num_branches=1)")
             return DraftTree.chain(state.root, tree.tokens[1:])  # deterministic: no draft law
+        for verified in self._unabsorbed:
+            self._speculator.absorb(verified)
+        self._unabsorbed = []
         reshape = Reshaper(self.fanout, self.scale) if self.scale < 1.0 else None
         spec: Speculation = self._speculator.chain(state.tokens, self.depth, Sampling.of(state), reshape)
         return spec.tree(state.root)

@@ -13,6 +13,7 @@ if the owner forgets, and the worker itself exits when its parent dies -- the ke
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 import weakref
@@ -144,7 +145,9 @@ class ProcessWorker:
         return self._conn.recv()
 
     def build(self, **request) -> None:
-        self._conn.send(("build", request))
+        # Pickled by value: tensors in a request (a feature draft's verified rows) are small and come every round;
+        # the default pickler would move each into a shared-memory segment of its own.
+        self._conn.send_bytes(pickle.dumps(("build", request), protocol=pickle.HIGHEST_PROTOCOL))
 
     def lookup(self, key) -> tuple[Speculation | None, float]:
         self._conn.send(("lookup", key))
