@@ -4,6 +4,9 @@
         --two-cores experiments/ssd/records/t0_2cores experiments/ssd/records/t07_2cores \
         --calibration experiments/ssd/calibration/t0.json experiments/ssd/calibration/t07.json \
         --out experiments/ssd
+    python experiments/ssd/report.py --one-core experiments/ssd/records/eagle3_t0 experiments/ssd/records/eagle3_t07 \
+        --two-cores experiments/ssd/records/eagle3_t0_2cores experiments/ssd/records/eagle3_t07_2cores \
+        --out experiments/ssd --suffix _eagle3
 
 Writes ``table_speed.md`` (τ, tok/s and SR of AR, synchronous SD and every SSD variant, target on one core;
 AR and SD on both cores), ``table_model.md`` (per SSD variant: hit rate, tokens per round on hits and misses,
@@ -62,23 +65,28 @@ def speed_table(one_core: list[str], two_cores: list[str]) -> list[str]:
         rows = [["AR", "1", "1.00", f"{1 / ar_s:.1f}", "1.00"]]
         for name, label in _labels(ev).items():
             r = _rows_of(ev, name)
-            cores = "1" if name == ev["method"] else "1 + worker"
+            cores = "1 + worker" if _uses_worker(_answers(files[name])) else "1"
             rows.append([label, cores, _ci(tau_of(r), tau_interval(r)), f"{1 / _per_token(_answers(files[name])):.1f}",
                          _ci(speedup_of(r), speedup_interval(r))])
         if i < len(two_cores):
             ev2, files2 = eval_answer_files(two_cores[i])
             ar2 = _per_token(_answers(files2["ar"]))
-            r2 = ev2["questions"]
             rows.append(["AR", "2", "1.00", f"{1 / ar2:.1f}", f"{ar_s / ar2:.2f}*"])
-            rows.append([ev2["label"], "2", _ci(tau_of(r2), tau_interval(r2)),
-                         f"{1 / _per_token(_answers(files2[ev2['method']])):.1f}",
-                         f"{speedup_of(r2) * ar_s / ar2:.2f}*"])
+            for name, label in _labels(ev2).items():
+                r2 = _rows_of(ev2, name)
+                rows.append([label, "2", _ci(tau_of(r2), tau_interval(r2)), f"{1 / _per_token(_answers(files2[name])):.1f}",
+                             f"{speedup_of(r2) * ar_s / ar2:.2f}*"])
         lines += [f"### T = {ev['temperature']} ({len(ev['questions'])} questions, {ev['max_new_tokens']} new tokens)", "",
                   *markdown_table(["setting", "cores", "τ [95 %]", "tok/s", "SR vs AR on 1 core [95 %]"], rows, "lrrrr"),
                   ""]
     lines.append("SR: per question against the AR run of the same process (paired bootstrap over questions); `*`: a "
                  "ratio of two processes' speeds (2-core run over the 1-core AR), no interval.")
     return lines
+
+
+def _uses_worker(answers: list[dict]) -> bool:
+    """Whether a run's drafter looked up a speculation cache (SSD with a worker; ``worker: none`` never does)."""
+    return any(d and d.get("lookups") for a in answers for c in a["choices"] for d in (c.get("drafter_stats") or []))
 
 
 def _sum(stats: list[dict], key: str) -> float:
@@ -95,7 +103,7 @@ def model_table(one_core: list[str]) -> list[str]:
         for name, label in _labels(ev).items():
             answers = _answers(files[name])
             stats = [d for a in answers for c in a["choices"] for d in (c.get("drafter_stats") or []) if d]
-            if not stats or "hits" not in stats[0]:
+            if not stats or not _uses_worker(answers):
                 continue
             verify = sum(sum(c["verify_time"]) for a in answers for c in a["choices"])
             rounds = sum(sum(c["decoding_steps"]) for a in answers for c in a["choices"])
@@ -177,14 +185,16 @@ def main() -> None:
     ap.add_argument("--two-cores", nargs="*", default=[])
     ap.add_argument("--calibration", nargs="*", default=[])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--suffix", default="", help="table_speed<suffix>.md, ... (one set of tables per primary)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "table_speed.md", "\n".join(speed_table(args.one_core, args.two_cores)) + "\n")
-    atomic_write_text(out / "table_model.md", "\n".join(model_table(args.one_core)) + "\n")
+    names = [f"table_{t}{args.suffix}.md" for t in ("speed", "model", "fanout")]
+    atomic_write_text(out / names[0], "\n".join(speed_table(args.one_core, args.two_cores)) + "\n")
+    atomic_write_text(out / names[1], "\n".join(model_table(args.one_core)) + "\n")
     if args.calibration:
-        atomic_write_text(out / "table_fanout.md", "\n".join(fanout_table(args.calibration, args.one_core, out)) + "\n")
-    for name in ("table_speed.md", "table_model.md", "table_fanout.md"):
+        atomic_write_text(out / names[2], "\n".join(fanout_table(args.calibration, args.one_core, out)) + "\n")
+    for name in names:
         if (out / name).exists():
             print((out / name).read_text())
 

@@ -6,8 +6,9 @@ set -euo pipefail
 R=${1:-runs/ssd}
 D=experiments/ssd
 mkdir -p "$D/calibration"
-[ -f "$D/calibration/t0.json" ] || python $D/calibrate.py --layers 24 --depth 3 --temperature 0 --out $D/calibration/t0.json
-[ -f "$D/calibration/t07.json" ] || python $D/calibrate.py --layers 24 --depth 3 --temperature 0.7 --out $D/calibration/t07.json
+cal() { python -m draftlab.methods.ssd.calibrate method.primary.drafter.layers=24 method.primary.drafter.depth=3 "$@"; }
+[ -f "$D/calibration/t0.json" ] || cal --temperature 0 --out $D/calibration/t0.json
+[ -f "$D/calibration/t07.json" ] || cal --temperature 0.7 --out $D/calibration/t07.json
 one() { OMP_NUM_THREADS=1 taskset -c 0 draftlab-eval "$@"; }
 [ -f "$R/t0/record.json" ] || one experiment=ssd_smollm2 hydra.run.dir="$R/t0"
 [ -f "$R/t07/record.json" ] || one experiment=ssd_smollm2_t07 hydra.run.dir="$R/t07"

@@ -98,8 +98,17 @@ class Checked(SSDDrafter):
         entries = self.worker.cache.entries
         assert set(entries) == keys, "stale cache: its keys are not this chain's outcomes"
         for (j, t), spec in entries.items():
-            fresh = self.fresh.chain(context + chain[:j] + [t], self.depth, Sampling(0.0)).tokens
-            assert spec.tokens == fresh, f"stale cache entry {(j, t)}"
+            assert self._greedy_chain_is(context + chain[:j] + [t], spec.tokens), f"stale cache entry {(j, t)}"
+
+    def _greedy_chain_is(self, context: list[int], tokens: list[int]) -> bool:
+        """Whether ``tokens`` is the fresh copy's greedy chain after ``context``, up to ties: where they part,
+        the two tokens' draft log-probs may differ by float rounding only (rows batched differently)."""
+        fresh = self.fresh.chain(context, self.depth, Sampling(0.0)).tokens
+        if tokens == fresh:
+            return True
+        k = next(i for i, (a, b) in enumerate(zip(tokens, fresh)) if a != b)
+        z = self.fresh.glue(context, fresh)  # [K+1, V]
+        return abs(float(z[k, tokens[k]] - z[k, fresh[k]])) < 1e-4
 
     def propose(self, state):
         looked_up = self._outstanding
@@ -110,7 +119,7 @@ class Checked(SSDDrafter):
         if self._hit:
             served = tree.tokens[1:].tolist()
             if state.temperature == 0:
-                assert served == self.fresh.chain(state.tokens, self.depth, Sampling(0.0)).tokens, "stale chain"
+                assert self._greedy_chain_is(list(state.tokens), served), "stale chain"
             else:
                 z = self.fresh.glue(state.tokens, served)[:-1]  # [K, V]
                 reshape = Reshaper(self.fanout, self.scale)
@@ -314,8 +323,7 @@ def test_calibration_measures_and_round_trips(tiny_target, tmp_path):
 
     assert fit_power({1: 1.0, 2: 0.5, 4: 0.25}) == pytest.approx(1.0)  # miss = 1/F exactly
     drafter = DraftModelDrafter(layers=2, depth=3)  # the whole target: every chain accepted, bonus = its argmax
-    cal = measure(tiny_target, drafter, drafter.speculator(tiny_target), [TRAIN_PROMPTS[1], UNSEEN_PROMPT],
-                  depth=3, temperature=0.0, max_new_tokens=20)
+    cal = measure(tiny_target, drafter, [TRAIN_PROMPTS[1], UNSEEN_PROMPT], depth=3, temperature=0.0, max_new_tokens=20)
     assert cal.rounds >= 8 and cal.accept > 0.99
     assert all(j == 3 and rank == 0 for j, rank in cal.outcomes)  # the draft's own argmax is the bonus
     assert cal.hit_rate([1, 1, 1, 1]) == 1.0 and cal.hit_rate([1, 1, 1, 0]) == 0.0

@@ -25,8 +25,9 @@ explicitly to inherit those defaults, so the engine never probes a drafter for o
 - ``sequence_stats()`` once per sequence at the end: a flat ``{name: number}`` of what the drafter did
   (SpecBound's exit depths), kept in ``DecodeStats.drafter_stats`` and in answer records. Default ``None``.
 - ``speculator(target)``: a ``decoding.speculator.Speculator`` that drafts after any sequence, verified or
-  not (a draft model can; a drafter that reads the target's features of verified tokens cannot), for
-  drafters that prepare the next round before verification ends (SSD). Default ``None``.
+  not (a draft model from the tokens alone; EAGLE-3 from the verified rows' features it is told of and its
+  own states past them), for drafters that prepare the next round before verification ends (SSD). Default
+  ``None``: the drafter only drafts from verified state.
 - ``close()`` once, by whoever built the drafter, when it is done with it (also after an error): a drafter
   that holds a worker process, a server connection or a file releases it here. Default: nothing held.
   Owners use ``with contextlib.closing(drafter):`` or ``closing_all`` for several.

@@ -4,7 +4,8 @@ An ordinary drafter proposes from the verified state (``Drafter.propose(state)``
 decoding prepares the *next* round while the target still verifies this one, for each likely outcome
 ``(j accepted, bonus t)``, so its primary must draft after any sequence it is given, verified or not.
 ``Drafter.speculator(target)`` returns such an object, a ``Speculator``, or ``None`` when the drafter only
-drafts from verified target state (EAGLE-3's features of a hypothetical bonus token do not exist yet).
+drafts from verified target state. (EAGLE-3's features of a hypothetical bonus token do not exist yet; its
+speculator drafts past the verified rows on its own states instead, as its trees do.)
 
 A ``Speculator`` drafts chains; ``Sampling`` says how each token is drawn and ``Speculation`` carries the
 tokens with the law each was drawn from (what the verifier's ``min(1, p/q)`` rule must be told).
