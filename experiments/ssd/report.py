@@ -6,6 +6,7 @@
         --out experiments/ssd
     python experiments/ssd/report.py --one-core experiments/ssd/records/eagle3_t0 experiments/ssd/records/eagle3_t07 \
         --two-cores experiments/ssd/records/eagle3_t0_2cores experiments/ssd/records/eagle3_t07_2cores \
+        --calibration experiments/ssd/calibration/eagle3_t0.json experiments/ssd/calibration/eagle3_t07.json \
         --out experiments/ssd --suffix _eagle3
 
 Writes ``table_speed.md`` (τ, tok/s and SR of AR, synchronous SD and every SSD variant, target on one core;
@@ -84,6 +85,11 @@ def speed_table(one_core: list[str], two_cores: list[str]) -> list[str]:
     return lines
 
 
+def _composed(run: str) -> dict:
+    """The run's composed config (its record's ``config``)."""
+    return json.loads((Path(run) / "record.json").read_text())["config"]
+
+
 def _uses_worker(answers: list[dict]) -> bool:
     """Whether a run's drafter looked up a speculation cache (SSD with a worker; ``worker: none`` never does)."""
     return any(d and d.get("lookups") for a in answers for c in a["choices"] for d in (c.get("drafter_stats") or []))
@@ -130,7 +136,7 @@ def model_table(one_core: list[str]) -> list[str]:
             "verify pass; measured SR: the run's."]
 
 
-def fanout_table(calibrations: list[str], one_core: list[str], out: Path) -> list[str]:
+def fanout_table(calibrations: list[str], one_core: list[str], out: Path, suffix: str = "") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,8 +147,9 @@ def fanout_table(calibrations: list[str], one_core: list[str], out: Path) -> lis
         ev, files = eval_answer_files(run)
         for name, label in _labels(ev).items():
             stats = [d for a in _answers(files[name]) for c in a["choices"] for d in (c.get("drafter_stats") or []) if d]
-            if stats and "hits" in stats[0] and "fast" not in name:
-                cfg = (ev.get("baselines") or {}).get(name, {}).get("method_config", {}).get("drafter", {})
+            if stats and _uses_worker(_answers(files[name])) and "fast" not in name:
+                cfg = (ev.get("baselines") or {}).get(name, {}).get("method_config", {}).get("drafter") or \
+                    _composed(run)["eval"]["baselines"][name]["drafter"]
                 budget = cfg.get("budget") if cfg.get("fanout") == "geometric" else cfg.get("width", 0) * (cfg.get("depth", 0) + 1)
                 measured.setdefault(float(ev["temperature"]), []).append(
                     (budget, _sum(stats, "hits") / max(1.0, _sum(stats, "lookups")), label))
@@ -172,7 +179,7 @@ def fanout_table(calibrations: list[str], one_core: list[str], out: Path) -> lis
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "hit_rate_fanout.png", dpi=120)
+    fig.savefig(out / f"hit_rate_fanout{suffix}.png", dpi=120)
     lines.append("Hit rates from the calibration's measured outcomes (plain SD on ShareGPT prompts): the share of rounds "
                  "whose (j, bonus) a cache with that fan-out holds. Crosses in the plot: the SSD runs' own hit rates "
                  "on Spec-Bench.")
@@ -193,7 +200,7 @@ def main() -> None:
     atomic_write_text(out / names[0], "\n".join(speed_table(args.one_core, args.two_cores)) + "\n")
     atomic_write_text(out / names[1], "\n".join(model_table(args.one_core)) + "\n")
     if args.calibration:
-        atomic_write_text(out / names[2], "\n".join(fanout_table(args.calibration, args.one_core, out)) + "\n")
+        atomic_write_text(out / names[2], "\n".join(fanout_table(args.calibration, args.one_core, out, args.suffix)) + "\n")
     for name in names:
         if (out / name).exists():
             print((out / name).read_text())

@@ -28,7 +28,6 @@ import torch
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.speculator import Sampling, Speculation, Speculator
 from draftlab.decoding.tree import DraftTree
-from draftlab.methods.ssd.calibrate import Calibration
 from draftlab.methods.ssd.saguaro import Reshaper, geometric_fanout, uniform_fanout
 from draftlab.methods.ssd.worker import InlineWorker, ProcessWorker
 
@@ -68,6 +67,8 @@ class SSDDrafter(Drafter):
             primary = primary(draft)
         self.primary, self.fast, self.depth = primary, fast, int(depth)
         if calibration is not None:  # a measured a and r replace the configured ones
+            from draftlab.methods.ssd.calibrate import Calibration  # not at import: it is also a script (-m)
+
             cal = Calibration.load(calibration)
             if cal.depth != self.depth:
                 raise ValueError(f"{calibration}: calibrated for chains of {cal.depth} tokens, this drafter drafts "
