@@ -260,3 +260,50 @@ def test_end_to_end_tiny_target_training_reduces_loss(tiny_target):
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < 0.7 * losses[0], losses  # the soft-target entropy is a floor, so not ~0
     assert res.metric("acc")[0] > 0.5
+
+
+def _teacher_reference(draft, z: torch.Tensor):
+    """The teacher as it was computed whole: full-vocabulary fp32 (or wider) tensors ``[B, T, V]``."""
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    ids = draft.d2t + torch.arange(draft.d2t.numel())
+    z_d = z.index_select(-1, ids)
+    return (torch.exp(z_d - torch.logsumexp(z_d, -1, keepdim=True)), torch.exp(z_d - torch.logsumexp(z, -1, keepdim=True)),
+            draft.t2d[z.argmax(-1)].float(), z_d.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("chunk_rows", [1, 7, None])
+def test_compact_teacher_equals_the_whole_one(dtype, chunk_rows):
+    """The chunked teacher (no [B, T, V] fp32 tensor) gives the whole one's targets, masks and argmax."""
+    from draftlab.methods.eagle3.ttt import _TargetSide
+
+    draft = small_draft(torch.float32)
+    _, _, logits, _, _ = batch(dtype=torch.float64)
+    logits = logits.to(dtype)
+    got = _TargetSide.of(draft, logits, chunk_rows=chunk_rows)
+    p, p_full, in_draft, argmax = _teacher_reference(draft, logits)
+    torch.testing.assert_close(got.p, p, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.p_full, p_full, rtol=0, atol=1e-6)
+    assert torch.equal(got.in_draft, in_draft) and torch.equal(got.argmax, argmax)
+
+
+def test_compact_teacher_trains_like_the_whole_one(monkeypatch):
+    """Loss, metrics and gradients of a TTT step are the same whether the teacher is built in 1-row chunks or
+    whole (fp32, <= 1e-6)."""
+    from draftlab.methods.eagle3.ttt import _TargetSide
+
+    ids, aux, logits, loss_mask, attn = batch(dtype=torch.float32)
+    results = []
+    for elements in (1, 1 << 30):  # one row per chunk / every row in one chunk
+        monkeypatch.setattr(_TargetSide, "CHUNK_ELEMENTS", elements)
+        draft = small_draft(torch.float32)
+        out = ttt_forward(draft, ids, aux, logits, loss_mask, attn, ttt_length=3)
+        out.loss.backward()
+        results.append((out, {n: q.grad.clone() for n, q in draft.named_parameters() if q.requires_grad}))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=1e-6)
+    for sa, sb in zip(a.per_step, b.per_step):
+        for key in sa:
+            torch.testing.assert_close(sa[key], sb[key], rtol=0, atol=1e-6)
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=0, atol=1e-6, msg=name)

@@ -262,15 +262,35 @@ class _TargetSide:
     in_draft: torch.Tensor  # [B, T] 1 where the target's full-vocabulary argmax is a draft token
     argmax: torch.Tensor  # [B, T] draft id of the target's draft-vocabulary argmax
 
+    # Rows per chunk: about 2^26 elements of the full vocabulary in fp32 at a time (256 MiB), whatever B x T is.
+    CHUNK_ELEMENTS = 1 << 26
+
     @classmethod
     @torch.no_grad()
-    def of(cls, draft, target_logits: torch.Tensor) -> _TargetSide:
-        z = target_logits.to(torch.promote_types(target_logits.dtype, torch.float32))  # [B, T, V]
-        draft_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)  # [V_d]
-        z_d = z.index_select(-1, draft_ids.to(z.device))  # [B, T, V_d]
-        lse_d = torch.logsumexp(z_d, dim=-1, keepdim=True)  # [B, T, 1]
-        return cls(p=torch.exp(z_d - lse_d), p_full=torch.exp(z_d - torch.logsumexp(z, dim=-1, keepdim=True)),
-                   in_draft=draft.t2d.to(z.device)[z.argmax(-1)].float(), argmax=z_d.argmax(-1))
+    def of(cls, draft, target_logits: torch.Tensor, chunk_rows: int | None = None) -> _TargetSide:
+        """Row by row, so the only full-vocabulary tensors are the target's own logits and one chunk of rows in
+        fp32 (never ``[B, T, V]`` in fp32 and its temporaries): every quantity is a function of its row."""
+        B, T, V = target_logits.shape
+        dtype = torch.promote_types(target_logits.dtype, torch.float32)
+        device = target_logits.device
+        draft_ids = (draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)).to(device)  # [V_d]
+        t2d = draft.t2d.to(device)  # [V]
+        rows = target_logits.reshape(B * T, V)  # [N, V] (a view)
+        n, v_d = rows.shape[0], draft_ids.numel()
+        p = torch.empty(n, v_d, dtype=dtype, device=device)  # [N, V_d]
+        p_full = torch.empty_like(p)  # [N, V_d]
+        in_draft = torch.empty(n, dtype=torch.float32, device=device)  # [N]
+        argmax = torch.empty(n, dtype=torch.long, device=device)  # [N]
+        step = chunk_rows or max(1, cls.CHUNK_ELEMENTS // max(V, 1))
+        for s in range(0, n, step):
+            z = rows[s:s + step].to(dtype)  # [c, V]
+            z_d = z.index_select(-1, draft_ids)  # [c, V_d]
+            p[s:s + step] = torch.exp(z_d - torch.logsumexp(z_d, dim=-1, keepdim=True))
+            p_full[s:s + step] = torch.exp(z_d - torch.logsumexp(z, dim=-1, keepdim=True))
+            in_draft[s:s + step] = t2d[z.argmax(-1)].float()
+            argmax[s:s + step] = z_d.argmax(-1)
+        return cls(p=p.view(B, T, v_d), p_full=p_full.view(B, T, v_d), in_draft=in_draft.view(B, T),
+                   argmax=argmax.view(B, T))
 
 
 @torch.no_grad()
