@@ -42,13 +42,22 @@ def feature_key(target_id, data_key: str, aux_layer_ids: Sequence[int], layer_co
                        dtype, num_samples)
 
 
+def store_dtype_name(dtype: str, target) -> str:
+    """``auto``: the target's own dtype (bf16 features for a bf16 target: fp32 would double the store and add
+    nothing the target computed); otherwise ``dtype`` itself."""
+    if str(dtype) != "auto":
+        return str(dtype)
+    return str(getattr(target, "dtype", torch.float32)).removeprefix("torch.")
+
+
 def offline_features(*, target, draft, samples: Sequence[RenderedSample], root: str | Path, key: tuple,
-                     dtype: str = "float32") -> Path:
+                     dtype: str = "auto") -> Path:
     """The registry's ``features`` entry: the store of the layers ``draft`` taps, under ``root/features/<key>``.
 
     ``key`` identifies the target (capture settings excluded) and the data; the tapped layers and the
-    dtype are added here, so drafts that tap the same layers share one store.
+    dtype (``auto``: the target's) are added here, so drafts that tap the same layers share one store.
     """
+    dtype = store_dtype_name(dtype, target)
     layers = draft.taps(target)
     convention = getattr(target.layer_convention, "value", str(target.layer_convention))
     target_id, data_key = key
@@ -78,6 +87,7 @@ def precompute_features(target, samples: Sequence[RenderedSample], root: str | P
         return root
     store_dtype = getattr(torch, dtype)
     todo = [i for i in range(len(samples)) if not _sample_path(root, i).exists()]
+    check_room(root, [len(samples[i].input_ids) for i in todo], _row_width(target, aux_layer_ids), store_dtype)
     if len(todo) < len(samples):
         log.info("feature store %s: resuming, %d of %d samples already written", root, len(samples) - len(todo),
                  len(samples))
@@ -108,6 +118,31 @@ def precompute_features(target, samples: Sequence[RenderedSample], root: str | P
     # Written last, and atomically: its presence is what marks the store complete.
     atomic_write_text(root / _COMPLETE, json.dumps({"num_samples": len(samples), "dtype": dtype}))
     return root
+
+
+def _row_width(target, aux_layer_ids: Sequence[int] | None) -> int:
+    """Values stored per token: the tapped layers' states plus the final one (``aux`` and ``last``)."""
+    d = target.geometry.hidden_size
+    taps = len(aux_layer_ids) if aux_layer_ids is not None else len(getattr(target, "aux_layer_ids", [])) or 3
+    return (taps + 1) * d
+
+
+def check_room(root: Path, lengths: Sequence[int], row_width: int, dtype: torch.dtype) -> int:
+    """Log what the samples still to write will take on disk, and refuse (one line) when the free space under
+    ``root`` is smaller: better now than a full disk hours into the extraction. Returns the bytes."""
+    import shutil
+
+    tokens = int(sum(lengths))
+    per_token = row_width * torch.empty(0, dtype=dtype).element_size()
+    need = tokens * per_token
+    free = shutil.disk_usage(root).free
+    log.info("feature store %s: %d samples to write, %d tokens x %d values x %s = %.2f GiB (%.2f GiB free)", root,
+             len(lengths), tokens, row_width, str(dtype).removeprefix("torch."), need / 2**30, free / 2**30)
+    if need > free:
+        raise OSError(f"feature store {root}: {len(lengths)} samples need about {need / 2**30:.1f} GiB "
+                      f"({tokens} tokens x {per_token} bytes) but {free / 2**30:.1f} GiB are free; free space, "
+                      f"point paths.cache_dir elsewhere or store a narrower dtype (method.features.dtype)")
+    return need
 
 
 def load_sample_features(root: str | Path, index: int, expected_length: int) -> dict[str, torch.Tensor]:

@@ -102,7 +102,7 @@ def vllm_feature_store(target, samples, root: str | Path, *, aux_layer_ids: Sequ
 
 
 def vllm_offline_features(*, target, draft, samples, root: str | Path, key: tuple, python: str,
-                          model: str | None = None, dtype: str = "float32", connector: str = "cpu", env: dict[str, str] | None = None,
+                          model: str | None = None, dtype: str = "auto", connector: str = "cpu", env: dict[str, str] | None = None,
                           extra: Sequence[str] = ("--enforce-eager",)) -> Path:
     """A method's ``features`` entry computed by vLLM (same arguments as ``data.features.offline_features``)::
 
@@ -111,8 +111,9 @@ def vllm_offline_features(*, target, draft, samples, root: str | Path, key: tupl
 
     The store's key is ``offline_features``' plus the engine: the two agree to fp32 rounding, not bit for bit,
     so they never share a directory."""
-    from draftlab.data.features import feature_key
+    from draftlab.data.features import feature_key, store_dtype_name
 
+    dtype = store_dtype_name(dtype, target)
     layers = draft.taps(target)
     convention = getattr(target.layer_convention, "value", str(target.layer_convention))
     target_id, data_key = key
