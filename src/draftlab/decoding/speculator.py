@@ -67,6 +67,26 @@ class Speculation:
         return DraftTree.chain(root, self.tokens, draft_probs=self.probs)
 
 
+def draw_branches(step: Callable[[list[int]], torch.Tensor], tokens: list[int], depth: int, sampling: Sampling,
+                  reshape: Reshape | None = None, stop: Callable[[], bool] | None = None) -> list[Speculation] | None:
+    """``len(tokens)`` chains of ``depth`` tokens drafted together (a ``Speculator.branches`` loop): each step,
+    ``step(last tokens) -> z [B, V]`` runs one draft row per branch consuming its last token, and each branch's
+    next token is drawn from its row. ``stop()`` after every step: True abandons them (None)."""
+    drafted: list[list[int]] = [[] for _ in tokens]
+    laws: list[list[torch.Tensor]] = [[] for _ in tokens]
+    for j in range(depth):
+        z = step(tokens)  # [B, V]
+        for b in range(len(tokens)):
+            tok, q = sampling.draw(z[b], reshape, j)
+            drafted[b].append(tok)
+            if q is not None:
+                laws[b].append(q)
+        tokens = [d[-1] for d in drafted]
+        if stop is not None and stop():
+            return None
+    return [Speculation(d, torch.stack(q) if q else None) for d, q in zip(drafted, laws)]
+
+
 @runtime_checkable
 class Speculator(Protocol):
     """Drafts after any sequence, verified or hypothetical (see the module docstring)."""

@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from draftlab.decoding.dynamic_tree import FrontierBatch, build_dynamic_tree
-from draftlab.decoding.speculator import Reshape, Sampling, Speculation
+from draftlab.decoding.speculator import Reshape, Sampling, Speculation, draw_branches
 from draftlab.decoding.tree import DraftTree
 from draftlab.targets.base import PassRequest
 from draftlab.targets.hf import HFTarget
@@ -140,24 +140,19 @@ class DraftLM:
                              f"{glued - 1} tokens")
         self._ensure(n + glued + B * depth)  # before any branch row exists: growing keeps only glued rows
         sees = [list(range(n, n + j + 1)) for j, _ in starts]
-        tokens, positions = [t for _, t in starts], [n + j + 1 for j, _ in starts]
-        drafted: list[list[int]] = [[] for _ in starts]
-        laws: list[list[torch.Tensor]] = [[] for _ in starts]
+        positions = [n + j + 1 for j, _ in starts]
         free = n + glued
-        for step in range(depth):
+
+        def step(tokens: list[int]) -> torch.Tensor:
+            nonlocal sees, positions, free
             slots = list(range(free, free + B))
             free += B
             sees = [seen + [slot] for seen, slot in zip(sees, slots)]
             z = self.rows(tokens, slots, positions, sees)  # [B, V]
-            for b in range(B):
-                tok, q = sampling.draw(z[b], reshape, step)
-                drafted[b].append(tok)
-                if q is not None:
-                    laws[b].append(q)
-            tokens, positions = [d[-1] for d in drafted], [p + 1 for p in positions]
-            if stop is not None and stop():
-                return None
-        return [Speculation(d, torch.stack(q) if q else None) for d, q in zip(drafted, laws)]
+            positions = [p + 1 for p in positions]
+            return z
+
+        return draw_branches(step, [t for _, t in starts], depth, sampling, reshape, stop)
 
     def verified(self, state) -> None:
         return None  # the tokens are all a draft model reads: ``sync`` follows them

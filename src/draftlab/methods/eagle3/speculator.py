@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from draftlab.decoding.speculator import Reshape, Sampling, Speculation
+from draftlab.decoding.speculator import Reshape, Sampling, Speculation, draw_branches
 from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.methods.eagle3.draft_cache import DraftRows
 from draftlab.methods.eagle3.model import Eagle3Draft
@@ -147,21 +147,16 @@ class Eagle3Speculator:
                              f"{len(states) - 1} tokens")
         hidden = torch.stack([states[j] for j, _ in starts])  # [B, d]
         sees = [glued[: tail + j] for j, _ in starts]
-        tokens, positions = [t for _, t in starts], [n - 1 + j for j, _ in starts]
-        drafted: list[list[int]] = [[] for _ in starts]
-        laws: list[list[torch.Tensor]] = [[] for _ in starts]
-        for step in range(depth):
+        positions = [n - 1 + j for j, _ in starts]
+
+        def step(tokens: list[int]) -> torch.Tensor:
+            nonlocal hidden, sees, positions
             hidden, z, slots = self._run(tokens, hidden, positions, sees)  # [B, d], [B, V]
             sees = [seen + [slot] for seen, slot in zip(sees, slots)]
-            for b in range(len(starts)):
-                tok, q = sampling.draw(z[b], reshape, step)
-                drafted[b].append(tok)
-                if q is not None:
-                    laws[b].append(q)
-            tokens, positions = [d[-1] for d in drafted], [p + 1 for p in positions]
-            if stop is not None and stop():
-                return None
-        return [Speculation(d, torch.stack(q) if q else None) for d, q in zip(drafted, laws)]
+            positions = [p + 1 for p in positions]
+            return z
+
+        return draw_branches(step, [t for _, t in starts], depth, sampling, reshape, stop)
 
     def portable(self):
         """A picklable factory of an independent copy (the draft's weights cloned, its config)."""
