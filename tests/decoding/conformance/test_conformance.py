@@ -238,10 +238,13 @@ def test_auto_tree_greedy_equals_ar_and_sampling_follows_the_target(tiny_target,
 @pytest.mark.parametrize("name", per_method(METHODS))
 def test_speculator_drafts_after_any_sequence(tiny_target, make_drafter, name):
     """``Drafter.speculator``: None (drafts only from verified state), or a ``Speculator`` whose chain, glue pass,
-    branches and portable copy agree with each other (greedy)."""
+    branches and portable copy agree with each other (greedy), each told the verified prompt the same way
+    (``absorb(verified(state))``: the target's features of its rows for a feature draft, nothing for a draft model)."""
     from contextlib import closing
 
+    from draftlab.decoding.drafter import DecodeState
     from draftlab.decoding.speculator import Sampling, Speculator
+    from draftlab.targets.base import PassRequest
 
     with closing(make_drafter(name)()) as drafter:
         spec = drafter.speculator(tiny_target)
@@ -249,9 +252,19 @@ def test_speculator_drafts_after_any_sequence(tiny_target, make_drafter, name):
             return
         assert isinstance(spec, Speculator)
         greedy, ctx = Sampling(0.0), list(TRAIN_PROMPTS[1])
+        taps = drafter.taps(tiny_target)
+        aux = None
+        if taps is not None:  # the prefill over the prompt (the context before its root) with the drafter's taps
+            ids = torch.tensor([ctx[:-1]], device=tiny_target.device)
+            aux = tiny_target.forward(ids, request=PassRequest(aux=taps)).aux_hidden[0]  # [P, n_taps*d]
+        state = DecodeState(target=tiny_target, cache=None, tokens=ctx, prompt_len=len(ctx) - 1, temperature=0.0,
+                            accepted_aux=aux)
+        verified = spec.verified(state)
+        spec.absorb(verified)
         chain = spec.chain(ctx, 3, greedy).tokens
         assert len(chain) == 3
         copy = spec.portable()()
+        copy.absorb(verified)
         assert copy.chain(ctx, 3, greedy).tokens == chain  # an independent copy drafts the same
         z = spec.glue(ctx, chain)  # [4, V]
         assert z.shape[0] == 4 and z[:3].argmax(-1).tolist() == chain
