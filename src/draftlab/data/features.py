@@ -133,7 +133,7 @@ def check_room(root: Path, lengths: Sequence[int], row_width: int, dtype: torch.
     import shutil
 
     tokens = int(sum(lengths))
-    per_token = row_width * torch.empty(0, dtype=dtype).element_size()
+    per_token = row_width * dtype.itemsize
     need = tokens * per_token
     free = shutil.disk_usage(root).free
     log.info("feature store %s: %d samples to write, %d tokens x %d values x %s = %.2f GiB (%.2f GiB free)", root,
