@@ -203,3 +203,16 @@ def test_slurm_launcher_composes_with_the_plugin(tmp_path):
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.tasks_per_node == launcher.gpus_per_node == cfg.trainer.devices == 4 and launcher.nodes == 1
+
+
+@pytest.mark.parametrize("method,module", [("eagle3", "module"), ("confu", "module"), ("draft_opd", "student.module")])
+def test_the_ttt_attention_kernel_stays_out_of_the_training_key(method, module, tmp_path):
+    """``module.attention`` picks a kernel for the same loss: a draft trained with one is reused under another."""
+    from draftlab.methods.registry import MethodSpec
+    from draftlab.utils.hashing import content_key
+
+    keys = {content_key(MethodSpec(_compose([f"method={method}", f"method.{module}.attention={impl}"],
+                                            tmp_path).method).key_config()) for impl in ("auto", "torch", "triton")}
+    assert len(keys) == 1
+    other = _compose([f"method={method}", f"method.{module}.step_weight=0.5"], tmp_path)
+    assert content_key(MethodSpec(other.method).key_config()) not in keys  # the key still sees the module

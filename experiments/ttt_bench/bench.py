@@ -47,7 +47,8 @@ def worker(impl: str, T: int, K: int, steps: int, batch: int, threads: int) -> d
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
 
     def step():
-        out = ttt_forward(draft, ids, aux, logits, loss_mask, attn, ttt_length=K, naive=(impl == "naive"))
+        out = ttt_forward(draft, ids, aux, logits, loss_mask, attn, ttt_length=K,
+                          impl="naive" if impl == "naive" else "torch")
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -113,13 +113,14 @@ def test_ttt_attention_over_query_rows_equals_those_rows_of_the_full_unroll():
         torch.testing.assert_close(sub, full[:, :, rows], rtol=1e-10, atol=1e-12)
 
 
-def test_ttt_forward_efficient_matches_naive_values_and_grads():
+@pytest.mark.parametrize("impl", ["torch", "blockwise", "auto"])
+def test_ttt_forward_efficient_matches_naive_values_and_grads(impl):
     ids, aux, logits, loss_mask, attn = batch()
     results = []
-    for naive in (False, True):
+    for name in (impl, "naive"):
         draft = small_draft()
         x = aux.clone().requires_grad_(True)
-        out = ttt_forward(draft, ids, x, logits, loss_mask, attn, ttt_length=3, naive=naive)
+        out = ttt_forward(draft, ids, x, logits, loss_mask, attn, ttt_length=3, impl=name)
         out.loss.backward()
         grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
         results.append((out, grads, x.grad.clone()))
@@ -307,3 +308,19 @@ def test_compact_teacher_trains_like_the_whole_one(monkeypatch):
             torch.testing.assert_close(sa[key], sb[key], rtol=0, atol=1e-6)
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_training_on_cpu_runs_the_blockwise_attention_by_default(monkeypatch):
+    """``attention: auto`` (conf/method/eagle3.yaml) is the blockwise path on CPU: the conformance suite's pinned
+    losses are trained through it."""
+    from draftlab.kernels import ttt_attention as kernel
+    from draftlab.methods.eagle3.metrics import TTTStep
+
+    calls = []
+    original = kernel._Blockwise.apply
+    monkeypatch.setattr(kernel._Blockwise, "apply", lambda *a: calls.append(a[0].shape) or original(*a))
+    ids, aux, logits, loss_mask, attn = batch()
+    step = TTTStep(ttt_length=3)
+    assert step.attention == "auto"
+    step(small_draft(), ids, aux, logits, loss_mask, attn).loss.backward()
+    assert len(calls) == 3  # one per TTT step (the small draft has one layer)

@@ -5,7 +5,8 @@ one onto the config file's blocks (each a Hydra ``_target_``, most with ``_parti
 pipeline supplies the run-time arguments)::
 
     name / label / trainable        identity; ``trainable: false`` = no draft artifact (training-free)
-    draft_vocab_size                the reduced draft vocabulary the data stage builds (null: none)
+    draft_vocab_size                the reduced draft vocabulary the data stage builds (null: none; ``auto``:
+                                    sized from the target's vocabulary, see :func:`auto_draft_vocab_size`)
     taps                            target layers the method reads (null: the method's default)
     draft(target=, vocab=, taps=)   builds the draft nn.Module (fresh, or continued from an artifact)
     module(draft=, target=)         the LightningModule that trains / calibrates it
@@ -40,6 +41,8 @@ from omegaconf import DictConfig, OmegaConf
 
 # Blocks that do not change the weights a training run produces (so they stay out of the training key).
 _NOT_IN_TRAIN_KEY = ("label", "drafter", "export", "artifact", "axes", "features", "ci")
+# Module settings that choose how, not what, the loss is computed (the same op in another kernel).
+_MODULE_NOT_IN_TRAIN_KEY = ("attention",)
 
 
 
@@ -47,6 +50,36 @@ _ABSENT = object()
 
 # The metric a run's best checkpoint is chosen by unless the method names another (``monitor:``).
 DEFAULT_MONITOR = "val/simulated_tau"
+
+AUTO = "auto"
+
+
+def auto_draft_vocab_size(vocab_size: int) -> int:
+    """The draft vocabulary ``draft_vocab_size: auto`` stands for, given the target's vocabulary ``V``.
+
+    32,000 for a large vocabulary (V >= 100,000: Llama 3's 128,256, Qwen's 151,936), as the published EAGLE-3
+    recipes use (EAGLE-3's Llama-3.1-8B draft and SpecForge's Llama 3 / Qwen configs: draft_vocab_size 32000);
+    otherwise min(V, 8,192), the size this project used for every target so far (SmolLM2's V = 49,152 keeps
+    8,192, and with it every existing vocabulary map and training key).
+    """
+    vocab_size = int(vocab_size)
+    if vocab_size <= 0:
+        raise ValueError(f"target vocabulary size must be positive, got {vocab_size}")
+    return 32000 if vocab_size >= 100_000 else min(vocab_size, 8192)
+
+
+def resolve_draft_vocab_size(value, vocab_size: int | None) -> int | None:
+    """A configured ``draft_vocab_size`` as the number it stands for: null stays None (no reduced vocabulary),
+    an integer is itself, ``auto`` is :func:`auto_draft_vocab_size` of the target's ``vocab_size``."""
+    if value is None:
+        return None
+    if str(value) == AUTO:
+        if vocab_size is None:
+            raise ValueError("draft_vocab_size: auto needs the target's vocabulary size")
+        return auto_draft_vocab_size(vocab_size)
+    if isinstance(value, bool) or not str(value).lstrip("-").isdigit():
+        raise ValueError(f"draft_vocab_size must be an integer, 'auto' or null, got {value!r}")
+    return int(value)
 
 
 class MethodSpec:
@@ -68,7 +101,12 @@ class MethodSpec:
         declares for CPU tests, so a test suite sizes every method without naming its settings."""
         from draftlab.configs import compose_train_config
 
-        spec = cls(compose_train_config([f"method={name}", f"target={target}", *overrides]).method)
+        cfg = compose_train_config([f"method={name}", f"target={target}", *overrides])
+        spec = cls(cfg.method)
+        if spec.needs_vocab_size:
+            from draftlab.targets.config_facts import target_hf_config
+
+            spec.resolve_draft_vocab(target_hf_config(cfg.target).config.vocab_size)
         if ci:
             apply_ci(spec.cfg)
         return spec
@@ -90,7 +128,27 @@ class MethodSpec:
     @property
     def draft_vocab_size(self) -> int | None:
         v = self.block("draft_vocab_size")
-        return None if v is None else int(v)
+        if v is not None and str(v) == AUTO:
+            raise ValueError(f"method '{self.name}': draft_vocab_size is 'auto' until the target's vocabulary is "
+                             "known (MethodSpec.resolve_draft_vocab)")
+        return resolve_draft_vocab_size(v, None)
+
+    @property
+    def needs_vocab_size(self) -> bool:
+        """Some ``draft_vocab_size`` in this config (or a nested method's) is still ``auto``."""
+        return bool(_auto_vocab_paths(self.cfg))
+
+    def resolve_draft_vocab(self, vocab_size: int) -> MethodSpec:
+        """Replace every ``draft_vocab_size: auto`` in this config (and in nested method configs: a student, an
+        SSD primary) by the number it stands for with a target of ``vocab_size`` tokens, in place: the composed
+        run config then holds the number, so every key, record and reader sees what an explicit value would
+        give. Returns ``self``."""
+        from omegaconf import read_write
+
+        for path in _auto_vocab_paths(self.cfg):
+            with read_write(self.cfg):
+                OmegaConf.update(self.cfg, path, auto_draft_vocab_size(vocab_size), merge=False)
+        return self
 
     @property
     def taps(self) -> list[int] | None:
@@ -113,9 +171,20 @@ class MethodSpec:
 
     def key_config(self) -> dict[str, Any]:
         """The slice of the method config that changes the trained weights (enters the training key)."""
-        out = {k: v for k, v in self.resolved().items() if k not in _NOT_IN_TRAIN_KEY}
+        def how(block):  # a module block without its kernel choices (a wrapper's module nests its student's)
+            if not isinstance(block, dict):
+                return block
+            return {k: how(v) for k, v in block.items() if k not in _MODULE_NOT_IN_TRAIN_KEY}
+
+        def keyed(cfg: dict) -> dict:
+            out = {k: v for k, v in cfg.items() if k not in _NOT_IN_TRAIN_KEY}
+            if "module" in out:
+                out["module"] = how(out["module"])
+            return out
+
+        out = keyed(self.resolved())
         if isinstance(out.get("student"), dict):
-            out["student"] = {k: v for k, v in out["student"].items() if k not in _NOT_IN_TRAIN_KEY}
+            out["student"] = keyed(out["student"])
         return out
 
     def block(self, key: str, default=None):
@@ -244,6 +313,23 @@ class MethodSpec:
     def build_drafter(self, draft=None):
         factory = instantiate(self._block("drafter"))
         return factory(draft) if self.trainable else factory
+
+
+def _auto_vocab_paths(node: DictConfig) -> list[str]:
+    """Dotted paths of the ``draft_vocab_size`` settings written as ``auto`` (not interpolations) in ``node``."""
+    raw = OmegaConf.to_container(node, resolve=False)
+    found: list[str] = []
+
+    def walk(value, prefix: str) -> None:
+        if isinstance(value, dict):
+            for key, child in value.items():
+                if key == "draft_vocab_size" and isinstance(child, str) and child == AUTO:
+                    found.append(f"{prefix}{key}")
+                else:
+                    walk(child, f"{prefix}{key}.")
+
+    walk(raw, "")
+    return found
 
 
 def apply_ci(method_cfg: DictConfig) -> None:

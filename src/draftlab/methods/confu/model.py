@@ -177,8 +177,11 @@ class FutureTTTAttention(TTTAttention):
     """
 
     def __init__(self, attention_mask: torch.Tensor | None, future_kv: list[tuple[torch.Tensor, torch.Tensor]],
-                 future_mask: torch.Tensor, *, naive: bool = False):
-        super().__init__(attention_mask, naive=naive)
+                 future_mask: torch.Tensor, *, impl: str = "auto"):
+        # The future keys have a torch implementation only (the TTT kernels know the prefix and the diagonal).
+        if impl not in ("auto", "torch", "naive"):
+            raise ValueError(f"ConFu's TTT attention (with future keys) runs on torch or naive, got '{impl}'")
+        super().__init__(attention_mask, impl="naive" if impl == "naive" else "torch")
         self.future_kv = future_kv
         self.future_mask = future_mask
 

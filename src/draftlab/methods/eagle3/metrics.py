@@ -47,7 +47,7 @@ class TTTStep:
     ttt_length: int = 7
     step_weight: float = 0.8
     normalization: str = "batch_tokens"
-    naive_attention: bool = False
+    attention: str = "auto"  # ttt_attention's implementation (draftlab.kernels.ttt_attention); naive = brute force
     curriculum: Sequence[Sequence[float]] | None = None
     val_ttt_length: int | None = None
 
@@ -79,7 +79,7 @@ class TTTStep:
                  attention: TTTAttention | None = None, row_mask: torch.Tensor | None = None) -> TTTOutput:
         return ttt_forward(draft, input_ids, aux, logits, loss_mask, attention_mask, ttt_length=self.active,
                            step_weight=self.step_weight, normalization=self.normalization,
-                           naive=self.naive_attention, attention=attention, row_mask=row_mask)
+                           impl=self.attention, attention=attention, row_mask=row_mask)
 
 
 class TTTMetrics:

@@ -11,8 +11,9 @@ Alignment (reference section 2.1/2.2). With target features ``F_t`` (context ``x
 
 Attention at step k ("prefix + diagonal", section 2.3): row t attends causally to the STEP-0 keys
 ``s <= t`` (minus padded keys) plus its own keys from steps 1..k; q/k of step k are rotated with
-``position + k``. ``ttt_attention`` computes the diagonal terms elementwise; ``naive_ttt_attention``
-builds the explicit ``[T, (k+1)*T]`` mask over concatenated keys and is the reference.
+``position + k``. ``ttt_attention`` never builds the ``[T, (k+1)*T]`` mask: its implementations
+(``draftlab.kernels.ttt_attention``: torch, blockwise, Triton, flex) score the k diagonal keys per row;
+``naive_ttt_attention`` builds the explicit mask over concatenated keys and is the brute-force reference.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from draftlab.kernels.ttt_attention import resolve_impl
+from draftlab.kernels.ttt_attention import ttt_attention as kernel_ttt_attention
 from draftlab.methods.eagle3.model import causal_mask, masked_attention
 
 NORMALIZATIONS = ("batch_tokens", "mask_sum")
@@ -33,40 +36,22 @@ NORMALIZATIONS = ("batch_tokens", "mask_sum")
 
 
 def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  attention_mask: torch.Tensor | None, scale: float, query_rows: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+                  attention_mask: torch.Tensor | None, scale: float, query_rows: torch.Tensor | None = None,
+                  impl: str = "torch") -> torch.Tensor:
     """Prefix + diagonal attention of TTT step ``k = len(keys) - 1``.
 
     q [B, H, T, hd]; keys/values: per step 0..k, each [B, Hkv, T, hd]; attention_mask [B, T] (1 = real)
-    or None -> [B, H, T, hd]. Scores against step-0 keys are one [T, T] matmul under a causal + padding
-    mask; the k diagonal scores are ``(q * k_i).sum(-1)``, so no [T, (k+1)T] mask or score block exists.
+    or None -> [B, H, T, hd]. Row t attends to the step-0 keys ``s <= t`` and its own keys of steps 1..k.
 
     ``query_rows`` [M]: only these rows are unrolled (q and the keys/values of steps 1..k hold M rows, the
     step-0 keys all T): row m sees the step-0 keys ``s <= query_rows[m]`` and its own later keys. On-policy
     replay unrolls only the rows a verification round started from.
+
+    ``impl``: ``torch`` (one ``[T, T]`` score block per step kept for backward), ``blockwise`` (online softmax,
+    O(T) memory), ``triton``, ``flex`` or ``auto`` (see ``draftlab.kernels.ttt_attention``).
     """
-    B, H, M, hd = q.shape
-    T = keys[0].shape[2]
-    Hkv = keys[0].shape[1]
-    G = H // Hkv
-    qg = q.reshape(B, Hkv, G, M, hd)  # heads h = kv * G + g share KV head kv
-    prefix = torch.matmul(q.reshape(B, Hkv, G * M, hd), keys[0].transpose(-1, -2)).view(B, Hkv, G, M, T)
-    ct = torch.promote_types(prefix.dtype, torch.float32)
-    prefix = prefix.to(ct) * scale  # [B, Hkv, G, M, T]
-    mask = causal_mask(T, attention_mask, device=q.device)  # [B|1, T, T]
-    if query_rows is not None:
-        mask = mask[:, query_rows.to(mask.device)]  # [B|1, M, T]
-    prefix = prefix.masked_fill(~mask[:, None, None], torch.finfo(ct).min)
-    if len(keys) > 1:
-        diag = torch.stack([(qg * k_i[:, :, None]).sum(-1) for k_i in keys[1:]], dim=-1)  # [B, Hkv, G, M, k]
-        scores = torch.cat([prefix, diag.to(ct) * scale], dim=-1)  # [B, Hkv, G, M, T + k]
-    else:
-        scores = prefix
-    probs = torch.softmax(scores, dim=-1).to(values[0].dtype)  # [B, Hkv, G, M, T + k]
-    out = torch.matmul(probs[..., :T].reshape(B, Hkv, G * M, T), values[0]).view(B, Hkv, G, M, hd)
-    for i, v_i in enumerate(values[1:]):
-        out = out + probs[..., T + i, None] * v_i[:, :, None]  # [B, Hkv, G, M, hd]
-    return out.reshape(B, H, M, hd)
+    return kernel_ttt_attention(q, keys[0], values[0], keys[1:], values[1:], scale, rows=query_rows,
+                                key_mask=attention_mask, impl=impl)
 
 
 def ttt_attention_mask(T: int, num_steps: int, attention_mask: torch.Tensor | None = None, *,
@@ -92,17 +77,24 @@ def naive_ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: S
 class TTTAttention:
     """``DraftAttention`` for the unrolled loop: every call of a layer is the next TTT step.
 
-    Keeps each layer's rotated keys/values of all steps so far (autograd holds them anyway).
-    ``naive=True`` switches to the brute-force reference. Setting ``query_rows`` [M] after step 0 unrolls
-    only those rows in the later steps (``ttt_attention``'s ``query_rows``).
+    Keeps each layer's rotated keys/values of all steps so far (autograd holds them anyway). ``impl`` is
+    ``ttt_attention``'s (``auto``: Triton on CUDA, blockwise elsewhere), or ``naive`` for the brute-force
+    reference. Setting ``query_rows`` [M] after step 0 unrolls only those rows in the later steps
+    (``ttt_attention``'s ``query_rows``).
     """
 
-    def __init__(self, attention_mask: torch.Tensor | None = None, *, naive: bool = False):
+    def __init__(self, attention_mask: torch.Tensor | None = None, *, impl: str = "auto"):
+        if impl != "naive":
+            resolve_impl(impl, "cpu")  # the name is checked here, the device when it runs
         self.attention_mask = attention_mask
-        self.naive = naive
+        self.impl = impl
         self.query_rows: torch.Tensor | None = None
         self.keys: dict[int, list[torch.Tensor]] = {}
         self.values: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def naive(self) -> bool:
+        return self.impl == "naive"
 
     @property
     def num_steps(self) -> int:
@@ -112,10 +104,10 @@ class TTTAttention:
         keys, values = self.keys.setdefault(layer, []), self.values.setdefault(layer, [])
         keys.append(k)
         values.append(v)
-        if self.query_rows is not None and len(keys) > 1:
-            return ttt_attention(q, keys, values, self.attention_mask, scale, self.query_rows)
-        fn = naive_ttt_attention if self.naive else ttt_attention
-        return fn(q, keys, values, self.attention_mask, scale)
+        if self.naive and (self.query_rows is None or len(keys) == 1):
+            return naive_ttt_attention(q, keys, values, self.attention_mask, scale)
+        rows = self.query_rows if len(keys) > 1 else None
+        return ttt_attention(q, keys, values, self.attention_mask, scale, rows, "torch" if self.naive else self.impl)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -168,7 +160,7 @@ def _shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
 def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target_logits: torch.Tensor,
                 loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None, *, ttt_length: int = 7,
                 step_weight: float = 0.8, normalization: str = "batch_tokens",
-                position_ids: torch.Tensor | None = None, naive: bool = False,
+                position_ids: torch.Tensor | None = None, impl: str = "auto",
                 attention: TTTAttention | None = None, row_mask: torch.Tensor | None = None) -> TTTOutput:
     """Unrolled EAGLE-3 training-time test over ``ttt_length`` steps.
 
@@ -180,9 +172,10 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
     normalization  ``batch_tokens``: divide each step's summed loss by B*T (EAGLE/SpecForge, padding
                    included); ``mask_sum``: by that step's ``sum(lm_k)`` (speculators; defined below).
     position_ids   [B, T] RoPE positions of step 0 (default 0..T-1); step k uses ``position_ids + k``.
-    naive          use the brute-force concatenated-key attention (reference / benchmarks).
+    impl           the attention of the default ``TTTAttention``: ``auto`` (Triton on CUDA, blockwise elsewhere),
+                   ``torch``, ``blockwise``, ``triton``, ``flex``, or ``naive`` (brute force; references, benchmarks).
     attention      a fresh ``TTTAttention`` (or subclass) to run the steps under, instead of the default
-                   ``TTTAttention(attention_mask, naive=naive)``; methods with extra keys pass their own.
+                   ``TTTAttention(attention_mask, impl=impl)``; methods with extra keys pass their own.
     row_mask       [B, T] optional per-row weight applied at EVERY step without shifting (row t stays
                    excluded at all steps), on top of ``lm_k`` below.
 
@@ -213,7 +206,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
     tgt = _TargetSide.of(draft, target_logits)
 
     denom_bt = torch.tensor(float(B * T), device=device)
-    attention = attention if attention is not None else TTTAttention(attention_mask, naive=naive)
+    attention = attention if attention is not None else TTTAttention(attention_mask, impl=impl)
     hidden = aux_hidden  # 3*d_t at step 0 (forward_step runs fc), the draft's own d-dim state afterwards
     prev_correct = torch.ones(B, T, dtype=torch.bool, device=device)
     total = None
