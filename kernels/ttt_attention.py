@@ -226,7 +226,7 @@ class _Blockwise(torch.autograd.Function):
 
 def _flex(q, k0, v0, dk, dv, scale, rows, key_mask):
     """The TTT mask as a flex_attention ``mask_mod`` over keys ``[prefix T | step 1 M | ... | step k M]``."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     B, H, M, hd = q.shape
     Hkv, T, n_diag = k0.shape[1], k0.shape[2], dk.shape[2]
@@ -243,8 +243,22 @@ def _flex(q, k0, v0, dk, dv, scale, rows, key_mask):
 
     mask = create_block_mask(mask_mod, B if key_mask is not None else None, None, M, T + n_diag * M,
                              device=q.device)
-    out = flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=H != Hkv)
-    return out
+    return _flex_kernel(q.device)(q, keys, values, block_mask=mask, scale=scale, enable_gqa=H != Hkv)
+
+
+_COMPILED_FLEX = None
+
+
+def _flex_kernel(device):
+    """flex_attention is one fused kernel only when compiled (CUDA); eager, it materialises the scores."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.device(device).type != "cuda":
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
 
 
 # ------------------------------------------------------------------------------------------------------

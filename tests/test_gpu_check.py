@@ -23,7 +23,10 @@ def test_gpu_check_runs_every_part_on_cpu(tmp_path, shared_data):
     status = {name: r["status"] for name, r in results.items()}
     # Only the part that needs CUDA itself is skipped on a CPU; every other part ran and passed.
     assert status == {"env": "passed", "pytest_gpu": "skipped", "conformance": "passed", "lossless": "passed",
-                      "bf16_greedy": "passed", "train": "passed", "llama8b": "passed"}, status
+                      "bf16_greedy": "passed", "ttt_kernels": "passed", "train": "passed", "llama8b": "passed"}, status
+    kernels = results["ttt_kernels"]["T=48"]
+    assert {"torch", "blockwise", "triton"} <= set(kernels)  # triton under the interpreter (TRITON_INTERPRET=1)
+    assert all(kernels[impl]["max_rel_diff"] < 1e-5 for impl in ("blockwise", "triton")), kernels
     assert results["lossless"]["methods"]["eagle3"]["greedy_accepted"] > 0
     assert {"online", "offline"} <= set(results["train"])
     assert results["train"]["online"]["draft_sha256"] != results["train"]["offline"]["draft_sha256"]

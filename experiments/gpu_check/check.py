@@ -14,6 +14,8 @@ any part failed. ``--parts a,b`` runs a subset (a re-run after a fix). Parts (``
   lossless       greedy == AR and the powered sampling test on a random SmolLM2-shaped target (fp32)
   bf16_greedy    the same target in bf16: how often greedy speculative output leaves AR, and the top-2
                  logit gap where it does
+  ttt_kernels    TTT attention alone (torch, blockwise, Triton, compiled flex; 32 / 8 heads of 128, bf16, T = 2k /
+                 4k / 8k): time, peak memory and the difference from the torch reference
   train          ``draftlab-train`` end to end on the device: EAGLE-3 with online and with offline features
   llama8b        an 8B Llama shape (bf16, random weights): EAGLE-3 training step time and peak memory, the
                  engine's AR tokens/s beside HF ``generate``, the verify-cost curve
