@@ -150,6 +150,12 @@ class MethodSpec:
                 OmegaConf.update(self.cfg, path, auto_draft_vocab_size(vocab_size), merge=False)
         return self
 
+    def for_target(self, target) -> MethodSpec:
+        """:meth:`resolve_draft_vocab` with ``target``'s vocabulary where anything is still ``auto``; ``self``."""
+        if self.needs_vocab_size:
+            self.resolve_draft_vocab(target.geometry.vocab_size)
+        return self
+
     @property
     def taps(self) -> list[int] | None:
         t = self.block("taps")

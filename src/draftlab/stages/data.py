@@ -93,6 +93,8 @@ def _run_data_stage(cfg: DictConfig, target, spec: MethodSpec | None) -> DataSta
     t0 = time.perf_counter()
     target = target if target is not None else instantiate(cfg.target)
     log.info("target %s: %s", getattr(target, "name", "?"), target.geometry)
+    if spec is not None:
+        spec.for_target(target)  # draft_vocab_size: auto -> the number, in the run's config itself
     require_chat_template(target.tokenizer)
     data = instantiate(cfg.data, _convert_="object")
     convs, _ = data.load()

@@ -46,7 +46,8 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | N
     ranks.begin_job(cfg.paths.artifacts, ctx.get("job_num"))
     try:
         target = _build_target(cfg)
-        spec = MethodSpec(cfg.method)
+        # draft_vocab_size: auto becomes the number for this target in cfg itself (keys, record, W&B summary).
+        spec = MethodSpec(cfg.method).for_target(target)
         artifacts: dict[str, Any] = {"draft": None, "data": None}
         metrics: dict[str, float] = {}
         train_info = None

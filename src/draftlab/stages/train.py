@@ -135,8 +135,12 @@ def _validation_follows(trainer, batch_idx: int) -> bool:
 
 def train_key(cfg: DictConfig, data_key: str, spec: MethodSpec | None = None, target_id: dict | None = None) -> str:
     """Content key of a trained draft (see the module docstring); ``spec``: the run's method, ``target_id``:
-    the data stage's target identity (defaults: from ``cfg``)."""
+    the data stage's target identity (defaults: from ``cfg``). A ``draft_vocab_size: auto`` must have been
+    resolved (``MethodSpec.for_target``): the key holds the number."""
     spec = spec or MethodSpec(cfg.method)
+    if spec.needs_vocab_size:  # the key holds the number: `auto` and the number it stands for share one key
+        raise ValueError(f"method '{spec.name}': draft_vocab_size 'auto' is not resolved; the training key holds "
+                         "the number (MethodSpec.for_target(target))")
     target_id = target_identity(cfg) if target_id is None else target_id
     trainer = {k: cfg.trainer.get(k) for k in _TRAINER_KEYS_IN_KEY}
     trainer["precision"] = resolve_precision(trainer["precision"], cfg.trainer.get("accelerator"))
@@ -164,7 +168,7 @@ def train_draft(cfg: DictConfig, target, data, loggers: list | None = None, spec
     Under several ranks every rank trains; rank 0 alone extracts the offline features (first) and writes the
     summary and the draft (last), the others wait for each and then read them.
     """
-    spec = spec or MethodSpec(cfg.method)  # the pipeline builds it once and passes it down
+    spec = (spec or MethodSpec(cfg.method)).for_target(target)  # the pipeline builds it once and passes it down
     target_id = data.target_id if data.target_id is not None else target_identity(cfg)
     key = train_key(cfg, data.data_key, spec, target_id)
     root = Path(cfg.paths.artifacts) / spec.name / key

@@ -69,6 +69,18 @@ _GROUPED_ATTENTION_MAX_ROWS = 128
 
 
 
+def geometry_of_config(cfg) -> Geometry:
+    """The ``Geometry`` of a model with HF config ``cfg`` (a ``transformers.PretrainedConfig``): what a loaded
+    target reports, known before (or without) loading its weights."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return Geometry(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim=head_dim,
+        vocab_size=cfg.vocab_size, intermediate_size=getattr(cfg, "intermediate_size", 0),
+        model_type=cfg.model_type,
+    )
+
+
 class HFTarget:
     """A frozen HF causal LM exposing the ``Target`` protocol."""
 
@@ -78,14 +90,7 @@ class HFTarget:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "target")
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.geometry = Geometry(
-            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim=head_dim,
-            vocab_size=cfg.vocab_size, intermediate_size=getattr(cfg, "intermediate_size", 0),
-            model_type=cfg.model_type,
-        )
+        self.geometry = geometry_of_config(model.config)
         self.layer_convention = LayerConvention(layer_convention)
         self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(
             self.geometry.num_layers, self.layer_convention)

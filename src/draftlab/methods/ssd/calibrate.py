@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("overrides", nargs="*", help="config overrides (method=ssd_eagle3, draft_path=DIR, target=...)")
     args = ap.parse_intermixed_args(argv)
     cfg = compose_train_config(["method=ssd", "target=smollm2_135m", *args.overrides])
-    spec = MethodSpec(cfg.method)
     target = instantiate(cfg.target)
+    spec = MethodSpec(cfg.method).for_target(target)
     draft = None
     if spec.trainable:
         if not cfg.get("draft_path"):
