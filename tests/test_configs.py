@@ -207,12 +207,14 @@ def test_slurm_launcher_composes_with_the_plugin(tmp_path):
 
 @pytest.mark.parametrize("method,module", [("eagle3", "module"), ("confu", "module"), ("draft_opd", "student.module")])
 def test_the_ttt_attention_kernel_stays_out_of_the_training_key(method, module, tmp_path):
-    """``module.attention`` picks a kernel for the same loss: a draft trained with one is reused under another."""
+    """``module.attention`` / ``cross_entropy`` pick kernels for the same loss: a draft trained with one is reused
+    under another."""
     from draftlab.methods.registry import MethodSpec
     from draftlab.utils.hashing import content_key
 
-    keys = {content_key(MethodSpec(_compose([f"method={method}", f"method.{module}.attention={impl}"],
-                                            tmp_path).method).key_config()) for impl in ("auto", "torch", "triton")}
+    keys = {content_key(MethodSpec(_compose([f"method={method}", f"method.{module}.{knob}={impl}"],
+                                            tmp_path).method).key_config())
+            for knob in ("attention", "cross_entropy") for impl in ("auto", "torch", "triton")}
     assert len(keys) == 1
     other = _compose([f"method={method}", f"method.{module}.step_weight=0.5"], tmp_path)
     assert content_key(MethodSpec(other.method).key_config()) not in keys  # the key still sees the module

@@ -310,17 +310,20 @@ def test_compact_teacher_trains_like_the_whole_one(monkeypatch):
         torch.testing.assert_close(ga[name], gb[name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_training_on_cpu_runs_the_blockwise_attention_by_default(monkeypatch):
-    """``attention: auto`` (conf/method/eagle3.yaml) is the blockwise path on CPU: the conformance suite's pinned
-    losses are trained through it."""
+def test_training_on_cpu_runs_the_blockwise_attention_and_chunked_loss_by_default(monkeypatch):
+    """``attention: auto`` and ``cross_entropy: auto`` (conf/method/eagle3.yaml) are the blockwise attention and
+    the chunked soft cross-entropy on CPU: the conformance suite's pinned losses are trained through them."""
+    from draftlab.kernels import soft_cross_entropy as ce_kernel
     from draftlab.kernels import ttt_attention as kernel
     from draftlab.methods.eagle3.metrics import TTTStep
 
-    calls = []
-    original = kernel._Blockwise.apply
+    calls, losses = [], []
+    original, original_ce = kernel._Blockwise.apply, ce_kernel._ChunkedSoftCE.apply
     monkeypatch.setattr(kernel._Blockwise, "apply", lambda *a: calls.append(a[0].shape) or original(*a))
+    monkeypatch.setattr(ce_kernel._ChunkedSoftCE, "apply", lambda *a: losses.append(1) or original_ce(*a))
     ids, aux, logits, loss_mask, attn = batch()
     step = TTTStep(ttt_length=3)
-    assert step.attention == "auto"
-    step(small_draft(), ids, aux, logits, loss_mask, attn).loss.backward()
-    assert len(calls) == 3  # one per TTT step (the small draft has one layer)
+    assert step.attention == "auto" and step.cross_entropy == "auto"
+    draft = small_draft().float()
+    step(draft, ids, aux.float(), logits.float(), loss_mask, attn).loss.backward()
+    assert len(calls) == 3 and len(losses) == 3  # one per TTT step (the small draft has one layer)

@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 # Blocks that do not change the weights a training run produces (so they stay out of the training key).
 _NOT_IN_TRAIN_KEY = ("label", "drafter", "export", "artifact", "axes", "features", "ci")
 # Module settings that choose how, not what, the loss is computed (the same op in another kernel).
-_MODULE_NOT_IN_TRAIN_KEY = ("attention",)
+_MODULE_NOT_IN_TRAIN_KEY = ("attention", "cross_entropy")
 
 
 

@@ -80,7 +80,7 @@ class ConFuModule(TTTHooks, L.LightningModule):
                  confu_lr: float | None = None, ttt_length: int = 7, step_weight: float = 0.8,
                  normalization: str = "batch_tokens", optimizer=None, schedule=None,
                  total_steps: int | None = None, ttt_curriculum=None, val_ttt_length: int | None = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", cross_entropy: str = "auto"):
         super().__init__()
         if not isinstance(draft, ConFuDraft):
             raise TypeError(f"ConFuModule trains a ConFuDraft, got {type(draft).__name__}")
@@ -90,7 +90,8 @@ class ConFuModule(TTTHooks, L.LightningModule):
             raise ValueError(f"need num_anchors >= 1 and max_con_lag >= 1, got {num_anchors}, {max_con_lag}")
         self.draft = draft
         self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
-        self.ttt = TTTStep(ttt_length, step_weight, normalization, attention, ttt_curriculum, val_ttt_length)
+        self.ttt = TTTStep(ttt_length, step_weight, normalization, attention, cross_entropy, ttt_curriculum,
+                           val_ttt_length)
         self.metrics = TTTMetrics(step_weight)
         self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
         self.schedule_factory = schedule

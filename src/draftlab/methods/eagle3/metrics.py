@@ -48,6 +48,7 @@ class TTTStep:
     step_weight: float = 0.8
     normalization: str = "batch_tokens"
     attention: str = "auto"  # ttt_attention's implementation (draftlab.kernels.ttt_attention); naive = brute force
+    cross_entropy: str = "auto"  # the loss's soft cross-entropy (draftlab.kernels.soft_cross_entropy)
     curriculum: Sequence[Sequence[float]] | None = None
     val_ttt_length: int | None = None
 
@@ -79,7 +80,7 @@ class TTTStep:
                  attention: TTTAttention | None = None, row_mask: torch.Tensor | None = None) -> TTTOutput:
         return ttt_forward(draft, input_ids, aux, logits, loss_mask, attention_mask, ttt_length=self.active,
                            step_weight=self.step_weight, normalization=self.normalization,
-                           impl=self.attention, attention=attention, row_mask=row_mask)
+                           impl=self.attention, cross_entropy=self.cross_entropy, attention=attention, row_mask=row_mask)
 
 
 class TTTMetrics:

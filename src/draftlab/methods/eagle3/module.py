@@ -54,11 +54,12 @@ class Eagle3Module(TTTHooks, L.LightningModule):
                  normalization: str = "batch_tokens", optimizer=None, schedule=None,
                  total_steps: int | None = None, ttt_curriculum=None, val_ttt_length: int | None = None,
                  target_lm_head: torch.Tensor | None = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", cross_entropy: str = "auto"):
         super().__init__()
         self.draft = draft
         self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
-        self.ttt = TTTStep(ttt_length, step_weight, normalization, attention, ttt_curriculum, val_ttt_length)
+        self.ttt = TTTStep(ttt_length, step_weight, normalization, attention, cross_entropy, ttt_curriculum,
+                           val_ttt_length)
         self.metrics = TTTMetrics(step_weight)
         self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
         self.schedule_factory = schedule

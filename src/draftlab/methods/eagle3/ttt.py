@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from draftlab.kernels.soft_cross_entropy import soft_cross_entropy
 from draftlab.kernels.ttt_attention import resolve_impl
 from draftlab.kernels.ttt_attention import ttt_attention as kernel_ttt_attention
 from draftlab.methods.eagle3.model import causal_mask, masked_attention
@@ -160,7 +161,7 @@ def _shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
 def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target_logits: torch.Tensor,
                 loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None, *, ttt_length: int = 7,
                 step_weight: float = 0.8, normalization: str = "batch_tokens",
-                position_ids: torch.Tensor | None = None, impl: str = "auto",
+                position_ids: torch.Tensor | None = None, impl: str = "auto", cross_entropy: str = "auto",
                 attention: TTTAttention | None = None, row_mask: torch.Tensor | None = None) -> TTTOutput:
     """Unrolled EAGLE-3 training-time test over ``ttt_length`` steps.
 
@@ -174,6 +175,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
     position_ids   [B, T] RoPE positions of step 0 (default 0..T-1); step k uses ``position_ids + k``.
     impl           the attention of the default ``TTTAttention``: ``auto`` (Triton on CUDA, blockwise elsewhere),
                    ``torch``, ``blockwise``, ``triton``, ``flex``, or ``naive`` (brute force; references, benchmarks).
+    cross_entropy  the soft-target cross-entropy (``draftlab.kernels.soft_cross_entropy``): ``auto`` (Triton on
+                   CUDA, row chunks elsewhere: neither keeps the fp32 log-softmax for backward) or ``torch``.
     attention      a fresh ``TTTAttention`` (or subclass) to run the steps under, instead of the default
                    ``TTTAttention(attention_mask, impl=impl)``; methods with extra keys pass their own.
     row_mask       [B, T] optional per-row weight applied at EVERY step without shifting (row t stays
@@ -221,13 +224,12 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
             lm = lm * row_weight
         pos_mask = lm * _shift_left(tgt.in_draft, k + 1)  # [B, T]
 
-        logq = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # [B, T, V_d]
-        ce = -(p * logq).sum(-1)  # [B, T]
+        ce = _soft_ce(logits, p, cross_entropy)  # [B, T]
         loss_sum = (ce * pos_mask).sum()
         denom = denom_bt if normalization == "batch_tokens" else lm.sum().clamp_min(1.0)
         loss_k = loss_sum / denom
         total = weights[k] * loss_k if total is None else total + weights[k] * loss_k
-        stats, prev_correct = _step_metrics(tgt, k, logq, lm, prev_correct)
+        stats, prev_correct = _step_metrics(tgt, k, logits.detach(), lm, prev_correct)
         per_step.append(dict(loss=loss_k, loss_sum=loss_sum.detach(), loss_denom=denom.detach().float(), **stats))
     return TTTOutput(loss=total, per_step=per_step, weights=weights)
 
@@ -286,10 +288,20 @@ class _TargetSide:
                    argmax=argmax.view(B, T))
 
 
+def _soft_ce(logits: torch.Tensor, p: torch.Tensor, impl: str) -> torch.Tensor:
+    """``-(p * log_softmax(logits)).sum(-1)`` [B, T]; fp64 logits (parity tests) keep the plain torch form in fp64,
+    the fused paths compute in fp32."""
+    if impl == "torch" or logits.dtype == torch.float64:
+        logq = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # [B, T, V_d]
+        return -(p * logq).sum(-1)
+    return soft_cross_entropy(logits, p, impl=impl)
+
+
 @torch.no_grad()
-def _step_metrics(tgt: _TargetSide, k: int, logq: torch.Tensor, lm: torch.Tensor, prev_correct: torch.Tensor
+def _step_metrics(tgt: _TargetSide, k: int, logits: torch.Tensor, lm: torch.Tensor, prev_correct: torch.Tensor
                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Step k's accuracy counters (see ``TTTOutput``) and the rows whose steps 0..k were all correct."""
+    logq = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # [B, T, V_d], no grad
     # The draft's greedy token is the target's greedy token (impossible when the latter is outside
     # the draft vocabulary). Judged independently of the loss mask, so that a chain crossing a
     # masked token is still conditioned on what the draft actually predicted there.
