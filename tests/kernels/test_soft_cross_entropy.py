@@ -94,3 +94,30 @@ def test_mutant_fails_the_same_check(tmp_path):
     spec.loader.exec_module(mutant)
     with pytest.raises(AssertionError):
         check(mutant, (5, 100), torch.float32, "masked", "triton")
+
+
+def test_triton_fp16_and_wide_rows():
+    pytest.importorskip("triton", reason="the Triton path needs the triton package")
+    check(sce, (5, 1000), torch.float16, "dist", "triton")
+    check(sce, (33, 100), torch.float16, "masked", "triton", inplace=True)
+
+
+def test_inplace_is_safe_when_the_other_backward_runs_first():
+    pytest.importorskip("triton", reason="the Triton path needs the triton package")
+    _, p = _inputs((4, 50), torch.float32, "dist")
+    w = torch.randn(4, 50, requires_grad=True)
+    grads = []
+    for inplace in (False, True):
+        w.grad = None
+        logits = w * 2
+        loss = sce.soft_cross_entropy(logits, p, impl="triton", inplace=inplace).sum() + (logits * w).sum()
+        loss.backward()  # the product was recorded last, so its backward reads the logits before ours
+        grads.append(w.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_one_chunk_equals_many():
+    z, p = _inputs((33, 100), torch.float32, "dist")
+    one = sce.soft_cross_entropy(z, p, impl="chunked")
+    many = sce.soft_cross_entropy(z, p, impl="chunked", chunk_elements=100)  # one row per chunk
+    torch.testing.assert_close(many, one, rtol=0, atol=0)
