@@ -6,7 +6,10 @@ SmolLM2-135M geometry (d = 576, 9 / 3 heads, head_dim 64, intermediate 1536, V_d
 
 - ``naive``: the keys of all steps concatenated under the explicit ``[T, (k+1)T]`` mask;
 - ``torch``: prefix + diagonal, one ``[T, T]`` fp32 score block per step kept for backward (the former default);
-- ``blockwise``: online softmax in 512 x 512 blocks, recompute in backward (the CPU default now).
+- ``blockwise``: online softmax in 512 x 512 blocks, recompute in backward;
+- ``new``: the CPU default now (``attention: auto``, ``cross_entropy: auto``): blockwise attention and the
+  chunked soft cross-entropy, which keeps no fp32 log-softmax for backward.
+The first three use the plain torch cross-entropy, so they differ in the attention alone.
 
 Each (T, implementation) point runs in a fresh process so its peak resident memory is its own; the parent
 stops a point whose resident memory passes ``--limit-gib`` (it is reported as over the limit, and that
@@ -27,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-IMPLS = ("naive", "torch", "blockwise")
+IMPLS = ("naive", "torch", "blockwise", "new")
 
 
 def _rss_mib() -> float:
@@ -52,7 +55,8 @@ def worker(impl: str, T: int, K: int, threads: int) -> dict:
     attn = torch.ones(1, T, dtype=torch.long)
     base = _rss_mib()
     t0 = time.perf_counter()
-    out = ttt_forward(draft, ids, aux, logits, loss_mask, attn, ttt_length=K, impl=impl)
+    kernels = dict(impl="blockwise", cross_entropy="chunked") if impl == "new" else dict(impl=impl, cross_entropy="torch")
+    out = ttt_forward(draft, ids, aux, logits, loss_mask, attn, ttt_length=K, **kernels)
     out.loss.backward()
     seconds = time.perf_counter() - t0
     grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in draft.parameters() if p.grad is not None)))
@@ -92,25 +96,26 @@ def _cell(row: dict | None, key: str, fmt: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    """Peak MiB and step seconds per implementation, and each one's ratio to today's ``torch`` (same T)."""
     by = {(r["impl"], r["T"]): r for r in rows}
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
     lengths = sorted({r["T"] for r in rows})
-    lines = ["| T | naive: peak MiB | torch (prefix + diagonal): peak MiB | blockwise: peak MiB | blockwise / torch "
-             "memory | blockwise / naive memory | naive: step s | torch: step s | blockwise: step s | "
-             "blockwise / torch time | loss: blockwise - torch |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def ratio(a, c, key):
+        if a is None or c is None or "over_limit_gib" in a or "over_limit_gib" in c:
+            return "-"
+        return f"{a[key] / c[key]:.3f}"
+
+    head = ["T"] + [f"{i}: peak MiB" for i in impls] + [f"{i} / torch memory" for i in impls if i != "torch"] \
+        + [f"{i}: step s" for i in impls] + [f"{i} / torch time" for i in impls if i != "torch"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
     for T in lengths:
-        n, t, b = (by.get((impl, T)) for impl in IMPLS)
-
-        def ratio(a, c, key):
-            if a is None or c is None or "over_limit_gib" in a or "over_limit_gib" in c:
-                return "-"
-            return f"{a[key] / c[key]:.3f}"
-
-        diff = "-" if ratio(b, t, "loss") == "-" else f"{b['loss'] - t['loss']:.1e}"
-        lines.append(f"| {T:,} | {_cell(n, 'peak_mib', '.0f')} | {_cell(t, 'peak_mib', '.0f')} | "
-                     f"{_cell(b, 'peak_mib', '.0f')} | {ratio(b, t, 'peak_mib')} | {ratio(b, n, 'peak_mib')} | "
-                     f"{_cell(n, 'step_s', '.1f')} | {_cell(t, 'step_s', '.1f')} | {_cell(b, 'step_s', '.1f')} | "
-                     f"{ratio(b, t, 'step_s')} | {diff} |")
+        t = by.get(("torch", T))
+        cells = [f"{T:,}"] + [_cell(by.get((i, T)), "peak_mib", ".0f") for i in impls]
+        cells += [ratio(by.get((i, T)), t, "peak_mib") for i in impls if i != "torch"]
+        cells += [_cell(by.get((i, T)), "step_s", ".1f") for i in impls]
+        cells += [ratio(by.get((i, T)), t, "step_s") for i in impls if i != "torch"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -123,11 +128,13 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--worker", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help="directory for ttt_memory.json and table_ttt.md")
+    ap.add_argument("--merge", help="an earlier run's ttt_memory.json whose rows join this run's table")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.ttt_length, args.threads)))
         return
     rows: list[dict] = []
+    earlier = json.loads(Path(args.merge).read_text())["rows"] if args.merge else []
     stopped: set[str] = set()
     from tqdm import tqdm
 
@@ -147,9 +154,9 @@ def main() -> None:
             tmp.write_text(json.dumps(meta, indent=2))
             os.replace(tmp, out / "ttt_memory.json")
             tmp = out / "table_ttt.md.tmp"
-            tmp.write_text(table(rows))
+            tmp.write_text(table(earlier + rows))
             os.replace(tmp, out / "table_ttt.md")
-    print(table(rows))
+    print(table(earlier + rows))
 
 
 def _cpu() -> str:
