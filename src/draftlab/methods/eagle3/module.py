@@ -48,6 +48,9 @@ class Eagle3Module(TTTHooks, L.LightningModule):
     optimizer      a partial ``torch.optim`` constructor (Hydra ``_partial_: true``): the config's (AdamW 1e-4,
                    betas (0.9, 0.95), wd 0 as SpecForge/EAGLE in conf/method/eagle3.yaml), required to fit.
     schedule       a partial LR schedule (``draftlab.training.schedule``); default warm-up 1.5 % + cosine.
+    attention      the TTT attention's kernel (``draftlab.kernels.ttt_attention``; ``auto``: Triton on CUDA, blockwise
+                   elsewhere); ``cross_entropy`` the loss's (``draftlab.kernels.soft_cross_entropy``). Neither
+                   changes the loss, so neither enters the training key.
     """
 
     def __init__(self, draft: Eagle3Draft, target=None, *, ttt_length: int = 7, step_weight: float = 0.8,
