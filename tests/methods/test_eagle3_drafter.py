@@ -87,10 +87,19 @@ class _RecordingDrafter(Eagle3Drafter):
 @torch.no_grad()
 def test_cached_rows_equal_a_fresh_forward(tiny_target, trained):
     prompt = TRAIN_PROMPTS[0]
-    drafter = _RecordingDrafter(trained.draft, branching=1, depth=4, nodes=4)
-    drafter.cache_chunk = 4  # several reallocations of the draft cache along the way
-    out, stats = speculative_generate(tiny_target, prompt, drafter,
-                                      GenerationConfig(max_new_tokens=27, temperature=0, stop_on_eos=False))
+
+    def run(budget: int):
+        drafter = _RecordingDrafter(trained.draft, branching=1, depth=4, nodes=4)
+        drafter.cache_chunk = 4  # several reallocations of the draft cache along the way
+        out, stats = speculative_generate(tiny_target, prompt, drafter,
+                                          GenerationConfig(max_new_tokens=budget, temperature=0, stop_on_eos=False))
+        return drafter, out, stats
+
+    # A budget that ends one token inside a round that accepted several, after at least four rounds (greedy: a
+    # shorter budget replays the same rounds), whatever the trained draft accepts.
+    lengths = run(48)[2].accept_lengths
+    cut = next(i for i in range(3, len(lengths)) if lengths[i] > 1)
+    drafter, out, stats = run(sum(lengths[:cut + 1]) - 1)
     seq = prompt + out
     assert stats.rounds >= 4 and max(stats.accept_lengths) > 1
     # The budget cut the last round short, so update saw fewer new tokens than the accepted path.
