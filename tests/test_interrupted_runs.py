@@ -185,27 +185,42 @@ def rng() -> random.Random:
     return random.Random(seed)
 
 
-def test_killed_jobs_rerun_to_the_uninterrupted_result(tmp_path, shared_data, rng):
+def _train_args(root: Path, name: str) -> list[str]:
+    return [*TRAIN, f"paths.artifacts={root / name / 'art'}", f"hydra.run.dir={root / name / 'run'}"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, shared_data) -> tuple[Path, float]:
+    """The uninterrupted train job both kill tests compare against (and export from): its directory and the
+    seconds its work took."""
+    root = tmp_path_factory.mktemp("straight_job")
+    (root / "straight").mkdir()
+    work = run_to_end("draftlab.cli.train", _train_args(root, "straight"), root / "straight" / "job.log",
+                      _env(shared_data), WORK_STARTS)
+    return root / "straight", work
+
+
+@pytest.mark.xdist_group("interrupted-straight")  # one worker runs the straight job for both
+def test_killed_train_job_reruns_to_the_uninterrupted_result(tmp_path, shared_data, rng, straight):
     env = _env(shared_data)
     n_questions = 3
-
-    def train_args(name: str) -> list[str]:
-        return [*TRAIN, f"paths.artifacts={tmp_path / name / 'art'}", f"hydra.run.dir={tmp_path / name / 'run'}"]
-
-    (tmp_path / "straight").mkdir()
+    done, work = straight
     (tmp_path / "killed").mkdir()
-    work = run_to_end("draftlab.cli.train", train_args("straight"), tmp_path / "straight" / "job.log", env,
-                      WORK_STARTS)
     killed = (tmp_path / "killed" / "art", tmp_path / "killed" / "run")
-    delays = run_with_kills("draftlab.cli.train", train_args("killed"), tmp_path / "killed" / "job.log", env,
-                            WORK_STARTS, work, rng, lambda: assert_nothing_half_written(*killed, n_questions))
+    delays = run_with_kills("draftlab.cli.train", _train_args(tmp_path, "killed"), tmp_path / "killed" / "job.log",
+                            env, WORK_STARTS, work, rng, lambda: assert_nothing_half_written(*killed, n_questions))
     try:
-        assert_same_results((tmp_path / "straight" / "art", tmp_path / "straight" / "run"), killed)
+        assert_same_results((done / "art", done / "run"), killed)
     except AssertionError as e:
         raise AssertionError(f"{e} (train job killed after {delays} s of work)") from e
 
-    # Export: from the straight run's resume checkpoint, into two places, one of them killed.
-    ckpt = next((tmp_path / "straight" / "art").glob("eagle3/*/checkpoints/resume.ckpt"))
+
+@pytest.mark.xdist_group("interrupted-straight")  # one worker runs the straight job for both
+def test_killed_export_reruns_to_the_uninterrupted_result(tmp_path, shared_data, rng, straight):
+    # From the uninterrupted train job's resume checkpoint, into two places, one of them killed.
+    env = _env(shared_data)
+    ckpt = next((straight[0] / "art").glob("eagle3/*/checkpoints/resume.ckpt"))
+    (tmp_path / "logs").mkdir()
 
     def export_args(out: str) -> list[str]:
         # validate=false: the 2-layer target's default taps [0, 0, 1] are not three distinct layers, which
@@ -214,7 +229,7 @@ def test_killed_jobs_rerun_to_the_uninterrupted_result(tmp_path, shared_data, rn
                 f"hydra.run.dir={tmp_path / out}-run"]
 
     marker = "loaded lightning draft"  # logged once the draft is read, just before the formats are written
-    work = run_to_end("draftlab.cli.export", export_args("export_a"), tmp_path / "straight" / "export.log", env,
+    work = run_to_end("draftlab.cli.export", export_args("export_a"), tmp_path / "logs" / "straight.log", env,
                       marker)
     want = _files(tmp_path / "export_a", "**/*")
     assert want
@@ -226,7 +241,7 @@ def test_killed_jobs_rerun_to_the_uninterrupted_result(tmp_path, shared_data, rn
             assert {k: v for k, v in got.items() if k.startswith(fmt_dir + "/")} == \
                 {k: v for k, v in want.items() if k.startswith(fmt_dir + "/")}, f"export {fmt_dir} is half written"
 
-    delays = run_with_kills("draftlab.cli.export", export_args("export_b"), tmp_path / "killed" / "export.log", env,
+    delays = run_with_kills("draftlab.cli.export", export_args("export_b"), tmp_path / "logs" / "killed.log", env,
                             marker, work, rng, export_check)
     assert _files(tmp_path / "export_b", "**/*") == want, f"exports differ (killed after {delays} s)"
 

@@ -112,3 +112,13 @@ def test_sample_frequencies():
     assert freq[2] == 0
     # 5 standard deviations of a Bernoulli(0.6) mean over 20k draws is ~0.017.
     assert (freq - probs.double()).abs().max() < 5 * math.sqrt(0.25 / 20_000)
+
+
+def test_sample_never_draws_zero_mass_tokens_at_either_end():
+    # Inverse-CDF edges: u = 1 must stop at the last token with mass, a tiny u must skip leading zeros.
+    probs = torch.tensor([0.0, 0.0, 1e-6, 0.5, 0.0, 0.5 - 1e-6, 0.0, 0.0])
+    draws = sample(probs.expand(50_000, 8), torch.Generator().manual_seed(1))
+    assert set(torch.unique(draws).tolist()) <= {2, 3, 5}
+    assert sample(torch.eye(8), torch.Generator().manual_seed(0)).tolist() == list(range(8))
+    with pytest.raises(ValueError, match="positive total mass"):
+        sample(torch.zeros(2, 4))

@@ -160,6 +160,11 @@ class HFTarget:
             self._row_kernels = measured
         return self._row_kernels
 
+    @row_kernels.setter
+    def row_kernels(self, kernels: RowKernels) -> None:
+        """A given table instead of the measured one (tests pin one, so outputs never depend on timing)."""
+        self._row_kernels = kernels
+
     def _rope_tables(self, needed: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions [0, needed), computed by the model's own rotary module, grown by doubling."""
         if self._rope is None or self._rope[0].shape[0] < needed:

@@ -326,6 +326,28 @@ def first_round_p_value(laws: np.ndarray, observed: np.ndarray, *, samples: int 
                "observed": counts.tolist(), "expected": expected.round(2).tolist()}
 
 
+def _drafted_rank_bin(r) -> tuple[np.ndarray, int] | None:
+    """A sampled round's first drafted token (the root's first child): the law over rank bins of the
+    distribution the drafter reports it was drawn from ``[B]``, and the bin it landed in. None for
+    deterministic trees and rounds with nothing drafted.
+
+    The verifier's acceptance rule for sampled trees is exact only if each drafted token was drawn from the
+    law reported beside it. A drafter that draws from one law and reports another (a reshape reported
+    without it, a temperature or nucleus cut reported differently) changes the emitted tokens only in the
+    rounds where its token is accepted; its drafted tokens show the slip in every round."""
+    kids = (r.parents == 0).nonzero().flatten()
+    if r.deterministic or r.draft_probs is None or len(kids) == 0:
+        return None
+    child = int(kids[0])
+    q = r.draft_probs[child].double().cpu()  # [V] as reported
+    sorted_q, order = torch.sort(q, descending=True, stable=True)  # [V]
+    rank = int((order == int(r.tokens[child])).nonzero()[0, 0])
+    assert float(sorted_q[rank]) > 0, "drafted a token its reported law cannot draw"
+    edges = [0, *RANK_EDGES, q.shape[-1]]
+    law = np.array([float(sorted_q[a:b].sum()) for a, b in zip(edges[:-1], edges[1:])])
+    return law / law.sum(), int(np.searchsorted(np.array(RANK_EDGES), rank, side="right"))
+
+
 def check_first_round_law(target, make_drafter: Callable[[], Drafter], prompt: list[int], *, temperature: float,
                           trials: int, top_k: int | None = None, top_p: float | None = None,
                           engine=speculative_generate, alpha: float = ALPHA_FIRST_ROUND, at: int = 1) -> dict:
@@ -349,19 +371,26 @@ def check_first_round_law(target, make_drafter: Callable[[], Drafter], prompt: l
     gives the check a draft that is accepted, and kills each slip there). Returns the statistics and the
     draft tokens accepted in first rounds (a check that passes with nothing accepted proves little).
 
+    A second family looks at the drafts themselves: in every trial's first round, when sampled, the root's
+    first child must have been drawn from the law reported beside it
+    (``_drafted_rank_bin``: its rank bin under that law, a categorical draw of known probabilities). A slip
+    that draws from one law and reports another shows there in every round, accepted or not; the two
+    families are combined by Bonferroni (2 x the smaller p-value), so ``alpha`` still bounds a false failure.
+
     ``at``: test the output tokens ``at`` and ``at + 1`` instead of 1 and 2 (each under its law given the
     prompt and the output before it), for drafters whose interesting rounds come later (SSD's first cached
     chain is verified in the second round); fixed positions, never positions chosen by how rounds fell, which
     would condition on the verifier's coins. Accepted tokens are then counted over every round.
     """
     with closing(make_drafter()) as drafter:  # the owner closes what it builds
-        rows, accepted = [], 0
+        rows, accepted, first = [], 0, []
         for seed in range(trials):
             cfg = GenerationConfig(max_new_tokens=at + 2, temperature=temperature, top_k=top_k, top_p=top_p,
                                    seed=seed, stop_on_eos=False, max_tree_rows=DECLARED_ONLY)
             out, stats = run(target, drafter, prompt, cfg, engine)
             accepted += sum(len(r.path) - 1 for r in (stats.trace[:1] if at == 1 else stats.trace))
             rows.append(out[:at + 2])
+            first.append(_drafted_rank_bin(stats.trace[0]) if stats.trace else None)
     y = np.array(rows)  # [n, at + 2]
     law2, bin2 = _rank_bin_laws(target, [prompt + r[:at] for r in y.tolist()], y[:, at].tolist(),
                                 temperature, top_k, top_p)
@@ -369,6 +398,14 @@ def check_first_round_law(target, make_drafter: Callable[[], Drafter], prompt: l
                                 temperature, top_k, top_p)
     laws = torch.cat([law2, law3], -1).numpy()  # [n, 2B]
     p, result = first_round_p_value(laws, torch.stack([bin2, bin3], -1).numpy())
+    drafted = [d for d in first if d is not None]
+    if drafted:  # the drafted tokens against their reported laws; Bonferroni with the two statistics above
+        # 5x the replicates: after both Bonferroni steps the floor, 4 / (1 + samples), sits well under alpha.
+        p_draft, seen = first_round_p_value(np.stack([law for law, _ in drafted]),
+                                            np.array([[b] for _, b in drafted]), samples=5 * NULL_SAMPLES, seed=1)
+        p = min(1.0, 2 * min(p, p_draft))
+        result.update(drafted_p=p_draft, drafted_max_z=seen["max_z"], drafted_observed=seen["observed"],
+                      drafted_expected=seen["expected"])
     result.update(p=p, trials=trials, accepted=accepted, temperature=temperature)
     assert p > alpha, f"the first round's tokens do not follow the target: {result}"
     return result

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from draftlab.data.template import RenderedSample
 from draftlab.data.vocab import build_vocab_mapping
 from draftlab.methods.registry import MethodSpec, method_names
+from tests.draft_store import shared_draft, shared_json, target_identity
 from tests.methods.corpus import TRAIN_PROMPTS, train_sequences
 
 METHODS = method_names()
@@ -46,9 +47,10 @@ _SEQS: dict[int, list[list[int]]] = {}
 
 
 def sequences(target) -> list[list[int]]:
-    """The corpus continued greedily by ``target`` (computed once per target)."""
+    """The corpus continued greedily by ``target`` (computed once per target and run, shared by the workers)."""
     if id(target) not in _SEQS:
-        _SEQS[id(target)] = train_sequences(target)
+        _SEQS[id(target)] = shared_json({"sequences": TRAIN_PROMPTS, "target": target_identity(target)},
+                                        lambda: train_sequences(target))
     return _SEQS[id(target)]
 
 
@@ -87,7 +89,15 @@ def quick_train(spec: MethodSpec, target, *, steps: int = TRAIN_STEPS, lr: float
     A method that trains a ``student`` method's draft starts, as it does in use, from the student's own
     (quickly trained) draft, and continues it at a fine-tuning rate: ``TRAIN_LR`` is a from-scratch rate,
     and over tiny_random's near-uniform next-token distributions (top probability ~0.005) a few steps at
-    it move a trained draft's argmax far enough that nothing is accepted any more."""
+    it move a trained draft's argmax far enough that nothing is accepted any more.
+
+    Trained once per run for each (config, target, steps, rate), whichever test or worker asks first
+    (``tests/draft_store.py``); every call returns its own copy."""
+    recipe = {"steps": steps, "lr": lr, "prompts": TRAIN_PROMPTS, "seed": 0}
+    return shared_draft(spec, target, recipe, lambda: _train(spec, target, steps=steps, lr=lr))
+
+
+def _train(spec: MethodSpec, target, *, steps: int, lr: float):
     seqs = sequences(target)
     if spec.student is not None:
         draft = copy.deepcopy(quick_train(spec.student, target)).train()
