@@ -236,10 +236,23 @@ class UnrescaledQ(SpeculationCache):
 # The whole target as primary (q == p) at T = 0.3: plain chains are always accepted; with C = 0.25 the cached
 # chains' laws differ from p, so a misreported law shows. Tokens 6 and 7 are tested: the first round (a
 # backup) emits tokens 1-5 when it accepts its chain, so they come from the second round, a cached chain.
+# ``unrescaled`` is in the heavy tier (``-m heavy``: 300 trials of an inline worker, over a minute); the default
+# run kills the same mutant in the exact check of every served law (test_a_misreported_cached_law_is_caught).
 POWERED = {"jit": (SpeculationCache, "jit"), "fast": (SpeculationCache, "fast"), "unrescaled": (UnrescaledQ, "jit")}
 
 
-@pytest.mark.parametrize("case", list(POWERED))
+def test_a_misreported_cached_law_is_caught(tiny_target):
+    """UnrescaledQ (cached chains drawn from σ, reported as q) fails the check of every hit at T > 0: a served
+    chain's reported rows must be σ's laws of its tokens."""
+    with closing(_ssd(1, UnrescaledQ, scale=0.5)) as d, pytest.raises(AssertionError, match="stale law"):
+        for seed in range(4):  # hits come by chance at T > 0; the first one is caught
+            for i, prompt in enumerate([TRAIN_PROMPTS[1], UNSEEN_PROMPT, TRAIN_PROMPTS[0]]):
+                speculative_generate(tiny_target, prompt, d, GenerationConfig(
+                    max_new_tokens=40, temperature=0.3, seed=10 * seed + i, stop_on_eos=False))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if POWERED[c][0] is not SpeculationCache
+                                  else c for c in POWERED])
 def test_powered_sampling_check_on_cached_rounds(tiny_target, case):
     cache_cls, backup = POWERED[case]
     made = []

@@ -206,7 +206,7 @@ def verify(
         else:
             accepted, p, rejected = _try_deterministic(p, kids, tokens, token_ids, coins)
         if accepted is None:
-            # multinomial normalises, so the unnormalised deterministic residual is sampled as is.
+            # sample() normalises, so the unnormalised deterministic residual is sampled as is.
             return VerifyResult(path, int(sample(p, generator)), rejected)
         path.append(accepted)
         node = accepted
