@@ -65,6 +65,11 @@ def test_appends_under_instantiated_blocks_and_group_choices_pass():
 
 
 def test_a_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path):
+    # The command loads the default target first: fetch it here, or on a fresh cache the subprocess's
+    # one-time download and conversion progress would share stderr with the one line under test.
+    from draftlab.assets import fetch
+
+    fetch("smollm2-135m-instruct")
     ckpt = tmp_path / "last.ckpt"
     ckpt.write_bytes(b"PK\x03\x04 truncated zip")
     proc = _cli("draftlab.cli.export", f"checkpoint={ckpt}", f"output_dir={tmp_path / 'out'}", tmp_path=tmp_path)
