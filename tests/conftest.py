@@ -47,7 +47,9 @@ def pytest_unconfigure(config):
         import shutil
 
         shutil.rmtree(made, ignore_errors=True)
-        os.environ.pop("DRAFTLAB_TEST_DRAFT_STORE", None)
+        from tests.draft_store import STORE_ENV
+
+        os.environ.pop(STORE_ENV, None)
 
 
 @pytest.hookimpl(optionalhook=True)  # only known when pytest-xdist is loaded

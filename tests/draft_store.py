@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from draftlab.utils.atomic import atomic_write_text
+
 STORE_ENV = "DRAFTLAB_TEST_DRAFT_STORE"
 INFERENCE_ONLY = ("name", "label", "drafter", "axes", "ci", "export")
 
@@ -59,9 +61,7 @@ def shared_json(parts: dict, compute: Callable[[], object]):
     path = root / f"{key}.json"
     with FileLock(str(root / f"{key}.lock")):
         if not path.exists():
-            tmp = path.with_suffix(".partial")
-            tmp.write_text(json.dumps(compute()))
-            os.replace(tmp, path)
+            atomic_write_text(path, json.dumps(compute()))
     return json.loads(path.read_text())
 
 
@@ -87,6 +87,6 @@ def shared_draft(spec, target, recipe: dict, train: Callable[[], torch.nn.Module
             where = Path(spec.save(draft, tmp, target)).resolve().relative_to(tmp.resolve())
             os.replace(tmp, done)
             # Written last: a worker killed mid-save leaves no marker, and the next caller trains again.
-            (root / key / "COMPLETE").write_text(json.dumps({"path": str(where), "recipe": recipe}, default=str))
+            atomic_write_text(root / key / "COMPLETE", json.dumps({"path": str(where), "recipe": recipe}, default=str))
     where = json.loads((root / key / "COMPLETE").read_text())["path"]
     return spec.load(done / where, target).float().eval()
