@@ -16,6 +16,9 @@ from tests.wandb_files import read_run
 
 REPO = Path(__file__).resolve().parents[1]
 
+# One worker runs the module: its sweep fixture (eight jobs in a subprocess) would otherwise run once per worker.
+pytestmark = pytest.mark.xdist_group("sweep")
+
 
 def _run(args: list[str], tmp_path: Path, shared_data: Path, check: bool = True) -> subprocess.CompletedProcess:
     # Artifacts (data, features, drafts) go to the test's directory via paths.artifacts; assets (the

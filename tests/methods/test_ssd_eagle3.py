@@ -21,6 +21,10 @@ from tests.decoding.conformance.methods import first_round_prompt, quick_train
 from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT
 from tests.methods.test_ssd import Checked
 
+# One worker runs the module: the 300-step draft is trained once, where a second worker would wait on the
+# store's lock for as long as the training takes.
+pytestmark = pytest.mark.xdist_group("ssd-eagle3-trained")
+
 
 def _trained(target):
     """An EAGLE-3 draft trained long enough on the test corpus (300 steps, ~1 min) to be accepted in about a

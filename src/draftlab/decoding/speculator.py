@@ -47,12 +47,20 @@ class Sampling:
              ) -> tuple[int, torch.Tensor | None]:
         """One token from logits ``z [V]``: the argmax at T = 0 (no law to report), else a draw from
         ``q = logits_to_probs(z)`` (reshaped when asked), returned with the law it was drawn from."""
+        tokens, q = self.draw_rows(z[None], reshape, position)
+        return tokens[0], None if q is None else q[0]
+
+    def draw_rows(self, z: torch.Tensor, reshape: Reshape | None = None, position: int = 0
+                  ) -> tuple[list[int], torch.Tensor | None]:
+        """One token per row of logits ``z [B, V]``, all at chain position ``position``: what ``draw`` does to
+        each row, in one softmax, one reshape and one inverse-CDF pass (rows draw independently, each with its
+        own uniform from the generator, in row order). Returns the tokens and the laws ``[B, V]`` (None at T = 0)."""
         if self.temperature == 0:
-            return int(z.argmax()), None
-        q = logits_to_probs(z, self.temperature, self.top_k, self.top_p)  # [V]
+            return z.argmax(-1).tolist(), None
+        q = logits_to_probs(z, self.temperature, self.top_k, self.top_p)  # [B, V]
         if reshape is not None:
             q = reshape(position, z, q)
-        return int(sample(q, self.generator)), q
+        return sample(q, self.generator).tolist(), q
 
 
 @dataclass
@@ -76,11 +84,11 @@ def draw_branches(step: Callable[[list[int]], torch.Tensor], tokens: list[int], 
     laws: list[list[torch.Tensor]] = [[] for _ in tokens]
     for j in range(depth):
         z = step(tokens)  # [B, V]
-        for b in range(len(tokens)):
-            tok, q = sampling.draw(z[b], reshape, j)
+        drawn, q = sampling.draw_rows(z, reshape, j)  # [B], [B, V] | None
+        for b, tok in enumerate(drawn):
             drafted[b].append(tok)
             if q is not None:
-                laws[b].append(q)
+                laws[b].append(q[b])
         tokens = [d[-1] for d in drafted]
         if stop is not None and stop():
             return None

@@ -22,6 +22,7 @@ from draftlab.decoding.engine import (
 )
 from draftlab.decoding.sampling import logits_to_probs
 from draftlab.decoding.tree import DraftTree
+from tests.draft_store import shared_json, target_identity
 
 P_VALUE_MIN = 1e-3
 
@@ -102,14 +103,22 @@ DECLARED_ONLY = 1
 
 
 def check_greedy_equals_ar(target, make_drafter: Callable[[], Drafter], prompts: list[list[int]], n: int, *,
-                           engine=speculative_generate, stop_on_eos: bool = False) -> int:
-    """Greedy speculative output == greedy AR, token for token; returns the draft tokens accepted."""
+                           engine=speculative_generate, stop_on_eos: bool = False, fixed_target: bool = False) -> int:
+    """Greedy speculative output == greedy AR, token for token; returns the draft tokens accepted.
+
+    ``fixed_target``: the caller vouches that ``target``'s weights are what its identity (name, dtype, shape)
+    says, never changed by a test (a session fixture's real model): its AR continuations are then decoded
+    once per run and shared by every check and worker (``tests/draft_store.py``)."""
     cfg = GenerationConfig(max_new_tokens=n, temperature=0.0, stop_on_eos=stop_on_eos, max_tree_rows=DECLARED_ONLY)
     accepted = 0
     with closing(make_drafter()) as drafter:  # the owner closes what it builds
         for prompt in prompts:  # one drafter across sequences: reset must start afresh
             out, stats = run(target, drafter, prompt, cfg, engine)
-            ar, _ = autoregressive_generate(target, prompt, cfg)
+            if fixed_target:
+                key = {"ar": prompt, "n": n, "stop_on_eos": stop_on_eos, "target": target_identity(target)}
+                ar = shared_json(key, lambda p=prompt: autoregressive_generate(target, p, cfg)[0])
+            else:
+                ar, _ = autoregressive_generate(target, prompt, cfg)
             assert out == ar, f"greedy speculative output differs from AR at {next(i for i, (a, b) in enumerate(zip(out + [None], ar + [None])) if a != b)}"
             accepted += sum(len(r.path) - 1 for r in stats.trace)
     return accepted
@@ -267,15 +276,30 @@ def _rank_bin_laws(target, prefixes: list[list[int]], tokens: list[int], tempera
             batch = torch.tensor(unique[start:start + 256], device=target.device)
             rows.append(target.forward(batch).logits[:, -1].float().cpu())  # [b, V]; the statistics run on the host
     probs = logits_to_probs(torch.cat(rows), temperature, top_k, top_p).double()  # [U, V]
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [U, V]
-    rank_of = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))  # [U, V]
-    edges = [0, *RANK_EDGES, probs.shape[-1]]
-    bin_mass = torch.stack([sorted_p[:, a:b].sum(-1) for a, b in zip(edges[:-1], edges[1:])], -1)  # [U, B]
     rows_of = torch.tensor([index[tuple(p)] for p in prefixes])  # [n]
-    ranks = rank_of[rows_of, torch.tensor(tokens)]  # [n]
-    assert bool((sorted_p[rows_of, ranks] > 0).all()), "emitted a token the target cannot emit"
-    bins = torch.bucketize(ranks, torch.tensor(RANK_EDGES), right=True)  # [n]
-    return bin_mass[rows_of], bins
+    ranks = torch.cat([_ranks(probs[rows_of[i:i + 64]], torch.tensor(tokens[i:i + 64]), "emitted a token the target "
+                              "cannot emit") for i in range(0, len(tokens), 64)])  # [n]
+    return _bin_mass(probs)[rows_of], torch.bucketize(ranks, torch.tensor(RANK_EDGES), right=True)
+
+
+def _ranks(probs: torch.Tensor, tokens: torch.Tensor, impossible: str) -> torch.Tensor:
+    """Each row's rank of its token ``[m]`` in ``probs [m, V]`` sorted by descending probability, equal
+    probabilities in token-id order (a fixed order: the bin a token lands in never depends on the draw). O(V)
+    per row, where a sort of 49k entries per row was most of a check's statistics. A token of zero probability
+    fails with ``impossible``."""
+    mine = probs.gather(-1, tokens[:, None])  # [m, 1]
+    assert bool((mine > 0).all()), impossible
+    ids = torch.arange(probs.shape[-1])
+    return (probs > mine).sum(-1) + ((probs == mine) & (ids < tokens[:, None])).sum(-1)  # [m]
+
+
+def _bin_mass(probs: torch.Tensor) -> torch.Tensor:
+    """The mass of each rank bin ``[m, B]`` of ``probs [m, V]``: the top ``RANK_EDGES[-1]`` values in order,
+    summed bin by bin, and the rest (which tokens hold a tied value does not change a bin's mass)."""
+    top = torch.topk(probs, min(RANK_EDGES[-1], probs.shape[-1]), dim=-1).values  # [m, 20], descending
+    edges = [0, *RANK_EDGES]
+    bins = [top[:, a:b].sum(-1) for a, b in zip(edges[:-1], edges[1:])]
+    return torch.stack(bins + [(probs.sum(-1) - top.sum(-1)).clamp_min(0.0)], -1)  # [m, B]
 
 
 def _statistics(counts: np.ndarray, expected: np.ndarray, variance: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -340,12 +364,9 @@ def _drafted_rank_bin(r) -> tuple[np.ndarray, int] | None:
     if r.deterministic or r.draft_probs is None or len(kids) == 0:
         return None
     child = int(kids[0])
-    q = r.draft_probs[child].double().cpu()  # [V] as reported
-    sorted_q, order = torch.sort(q, descending=True, stable=True)  # [V]
-    rank = int((order == int(r.tokens[child])).nonzero()[0, 0])
-    assert float(sorted_q[rank]) > 0, "drafted a token its reported law cannot draw"
-    edges = [0, *RANK_EDGES, q.shape[-1]]
-    law = np.array([float(sorted_q[a:b].sum()) for a, b in zip(edges[:-1], edges[1:])])
+    q = r.draft_probs[child].double().cpu()[None]  # [1, V] as reported
+    rank = int(_ranks(q, r.tokens[child].reshape(1).cpu().long(), "drafted a token its reported law cannot draw")[0])
+    law = _bin_mass(q)[0].numpy()
     return law / law.sum(), int(np.searchsorted(np.array(RANK_EDGES), rank, side="right"))
 
 

@@ -4,10 +4,11 @@ a drafting slip causes (numpy only: no model)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from tests.decoding.conformance.checks import first_round_p_value
+from tests.decoding.conformance.checks import RANK_EDGES, _bin_mass, _ranks, first_round_p_value
 
 TRIALS, REPLICATES, NULL = 300, 200, 1_000
 
@@ -72,3 +73,26 @@ def test_rank_bin_laws_send_their_prefixes_to_the_targets_device(tiny_target):
     target = _ElsewhereTarget(tiny_target)
     laws, bins = _rank_bin_laws(target, [[5, 6, 7], [5, 6, 8]], [1, 2], 1.0, None, None)
     assert target.seen == [torch.device("meta")] and laws.shape[0] == 2 and bins.shape == (2,)
+
+
+def test_rank_bins_are_those_of_a_stable_sort():
+    """The O(V) ranks and bin masses equal a full stable sort's (ties in token-id order), zeros and ties
+    included, for vocabularies smaller and larger than the last rank edge."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(100):
+        vocab = int(torch.randint(4, 200, (1,), generator=g))
+        p = torch.rand(3, vocab, generator=g, dtype=torch.float64)
+        if trial % 2:
+            p = (p * 4).floor()  # many ties, some zeros
+        p[:, 0] += 0.01
+        p = p / p.sum(-1, keepdim=True)
+        tokens = torch.stack([torch.multinomial(p[i].float(), 1, generator=g)[0] for i in range(3)])
+        sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)
+        rank_of = torch.empty_like(order).scatter_(-1, order, torch.arange(vocab).expand_as(order))
+        edges = [0, *RANK_EDGES, vocab]
+        bins = torch.stack([sorted_p[:, a:b].sum(-1) for a, b in zip(edges[:-1], edges[1:])], -1)
+        assert torch.equal(_ranks(p, tokens, "impossible"), rank_of[torch.arange(3), tokens]), trial
+        torch.testing.assert_close(_bin_mass(p), bins, rtol=0, atol=1e-12)
+    zero = torch.tensor([[0.5, 0.5, 0.0]], dtype=torch.float64)
+    with pytest.raises(AssertionError, match="impossible"):
+        _ranks(zero, torch.tensor([2]), "impossible")

@@ -65,15 +65,16 @@ def candidates(z: torch.Tensor, width: int, drafted: int | None) -> list[int]:
 
 
 def saguaro_reshape(q: torch.Tensor, z: torch.Tensor, width: int, scale: float) -> torch.Tensor:
-    """σ_{F,C}: ``q [V]`` with the mass of the top ``width`` tokens of ``z`` scaled by ``scale``, renormalised.
-    Which tokens are scaled depends on the logits only, never on a draw."""
+    """σ_{F,C}: ``q [..., V]`` with the mass of each row's top ``width`` tokens of ``z [..., V]`` scaled by
+    ``scale``, renormalised. Which tokens are scaled depends on the logits only, never on a draw."""
     if scale >= 1.0 or width <= 0:
         return q
-    top = torch.topk(z, min(width, z.shape[-1])).indices
-    out = q.clone()
-    out[top] *= float(scale)
-    mass = float(out.sum())
-    return out / mass if mass > 0 else q
+    top = torch.topk(z, min(width, z.shape[-1]), dim=-1).indices  # [..., width]
+    out = q.scatter(-1, top, q.gather(-1, top) * float(scale))  # [..., V]
+    mass = out.sum(-1, keepdim=True)  # [..., 1]
+    if bool((mass > 0).all()):
+        return out / mass
+    return torch.where(mass > 0, out / mass.clamp_min(torch.finfo(out.dtype).tiny), q)  # a row with no mass stays q
 
 
 class Reshaper:
