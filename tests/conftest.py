@@ -11,7 +11,7 @@ import torch
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Triton kernels (kernels/) run on CPU tensors through Triton's interpreter; triton.jit reads this when a kernel
+# Triton kernels (src/draftlab/kernels/) run on CPU tensors through Triton's interpreter; triton.jit reads this when a kernel
 # module is imported, so it is set before anything imports draftlab.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -13,25 +13,47 @@ from tests.conftest import REPO_ROOT, THREADS
 SCRIPT = REPO_ROOT / "experiments" / "gpu_check" / "check.py"
 
 
-def test_gpu_check_runs_every_part_on_cpu(tmp_path, shared_data):
+def _check(tmp_path, shared_data, parts: str) -> dict:
     env = {"OMP_NUM_THREADS": str(THREADS), "DRAFTLAB_SHARED_DATA": str(shared_data)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path),
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path), "--parts", parts,
                            "--carry", str(tmp_path / "no_carry")], capture_output=True, text=True, timeout=900,
                           env={**os.environ, **env})
-    results = json.loads((tmp_path / "results.json").read_text())["results"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "summary.md").read_text().startswith("# GPU check")
+    return json.loads((tmp_path / "results.json").read_text())["results"]
+
+
+def _numbers(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k not in ("status", "seconds")}
+
+
+# The two calls a lent machine gets, each at tiny sizes (Triton under its interpreter, TRITON_INTERPRET=1), as two
+# tests so that CI's workers run them side by side.
+def test_gpu_check_first_call_runs_the_kernel_parts_on_cpu(tmp_path, shared_data):
+    results = _check(tmp_path, shared_data, "first")
+    assert list(results) == ["env", "kernel_tests", "ttt_right", "ttt_fast", "soft_ce", "ttt_step"]  # priority order
+    assert all(r["status"] == "passed" for r in results.values()), {n: r["status"] for n, r in results.items()}
+    right = _numbers(results["ttt_right"])
+    assert {f"hd16/{c}/{impl}" for c in ("bf16", "autocast_mix", "fp32", "right_padded", "left_padded", "rows_subset")
+            for impl in ("blockwise", "triton")} <= set(right)  # every case for both paths
+    assert all(r["max_rel_err"] <= r["threshold"] and not r["nan"] for r in right.values()), right
+    assert {"torch", "blockwise", "triton_b16"} <= set(results["ttt_fast"]["T=48"])
+    assert {"torch", "blockwise", "triton"} <= set(results["ttt_step"]["T=32"])
+    assert all("ms" in r for r in results["ttt_step"]["T=32"].values()), results["ttt_step"]
+    assert {"chunked", "triton"} <= set(_numbers(results["soft_ce"]))
+    assert results["env"]["triton_interpreted"] is True
+
+
+def test_gpu_check_second_call_runs_the_rest_on_cpu(tmp_path, shared_data):
+    results = _check(tmp_path, shared_data, "rest")
     status = {name: r["status"] for name, r in results.items()}
     # Only the part that needs CUDA itself is skipped on a CPU; every other part ran and passed.
-    assert status == {"env": "passed", "pytest_gpu": "skipped", "conformance": "passed", "lossless": "passed",
-                      "bf16_greedy": "passed", "ttt_kernels": "passed", "train": "passed", "llama8b": "passed"}, status
-    kernels = results["ttt_kernels"]["T=48"]
-    assert {"torch", "blockwise", "triton"} <= set(kernels)  # triton under the interpreter (TRITON_INTERPRET=1)
-    assert all(kernels[impl]["max_rel_diff"] < 1e-5 for impl in ("blockwise", "triton")), kernels
+    assert status == {"lossless": "passed", "bf16_greedy": "passed", "llama8b": "passed", "train": "passed",
+                      "conformance": "passed", "pytest_gpu": "skipped"}, status
     assert results["lossless"]["methods"]["eagle3"]["greedy_accepted"] > 0
     assert {"online", "offline"} <= set(results["train"])
     assert results["train"]["online"]["draft_sha256"] != results["train"]["offline"]["draft_sha256"]
     assert results["llama8b"]["decode"]["engine_ar_tok_s"] > 0
-    assert (tmp_path / "summary.md").read_text().startswith("# GPU check")
 
 
 def test_gpu_check_rejects_unknown_parts(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -444,3 +445,25 @@ def test_train_on_a_gpu_moves_a_cpu_target_there(tmp_path, monkeypatch, shared_d
     assert record["train"]["reused"] is False and record["train"]["history"]
     assert record["eval"]["method"] and (tmp_path / "record.json").exists()
     assert record["config"]["target"]["device"] == "cpu"
+
+
+def test_gpu_training_config_trains_under_cpu_emulated_gpu_conditions(tmp_path, monkeypatch, shared_data):
+    """``trainer=gpu`` as a GPU user runs it (bf16-mixed precision, an fp32 draft, Triton attention and soft
+    cross-entropy), on the CPU: Lightning's bf16 autocast, Triton under its interpreter. The fp32 rotary tables
+    make q / k fp32 while v is bf16; the kernels must take that mix (they crashed in the first backward)."""
+    from draftlab.kernels._triton import interpreting, triton
+    from draftlab.stages.pipeline import run_pipeline
+
+    if triton is None or not interpreting():
+        pytest.skip("needs triton under its interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)")
+    _env(monkeypatch, tmp_path, shared_data)
+    cfg = _compose([*BASE, f"paths.artifacts={tmp_path / 'artifacts'}", "trainer=gpu", "trainer.accelerator=cpu",
+                    "trainer.max_epochs=1", "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1",
+                    "data.max_length=64",  # the interpreter runs each Triton block in numpy: short rows
+                    "method.module.attention=triton", "method.module.cross_entropy=triton", "eval.enabled=false"],
+                   tmp_path, "train")
+    assert cfg.trainer.precision == "bf16-mixed"
+    record = run_pipeline(cfg, stage="train")
+    history = record["train"]["history"]
+    assert history and all(math.isfinite(v) for row in history for k, v in row.items()
+                           if k.startswith("train/loss") and isinstance(v, float)), history

@@ -84,10 +84,14 @@ def env(ctx: Context) -> dict:
     import lightning
     import transformers
 
+    from draftlab.kernels._triton import interpreting, triton
+
     info = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-            "lightning": lightning.__version__, "cuda": torch.version.cuda, "device": ctx.device}
+            "lightning": lightning.__version__, "cuda": torch.version.cuda, "device": ctx.device,
+            "triton": getattr(triton, "__version__", None), "triton_interpreted": interpreting()}
     if ctx.gpu:
         info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
         info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
     return info
 
@@ -367,57 +371,7 @@ def llama8b(ctx: Context) -> dict:
     return out
 
 
-def ttt_kernels(ctx: Context) -> dict:
-    """TTT attention alone (``draftlab.kernels.ttt_attention``), step k = 6 (the last of TTT-7), forward +
-    backward of each implementation: median time, peak memory above the inputs (CUDA), and its largest
-    difference from the torch reference (output and dq, relative to their largest value)."""
-    from draftlab.kernels._triton import available
-    from draftlab.kernels.ttt_attention import ttt_attention
-
-    if ctx.gpu:  # a Llama-3-8B draft layer's attention: 32 / 8 heads of 128, bf16
-        H, Hkv, hd, lengths, dtype, impls, reps = 32, 8, 128, (2048, 4096, 8192), torch.bfloat16, \
-            ("torch", "blockwise", "triton", "flex"), 3
-    else:
-        H, Hkv, hd, lengths, dtype, reps = 4, 2, 16, (48,), torch.float32, 1
-        impls = ("torch", "blockwise") + (("triton",) if available(ctx.device) else ())
-    gen = torch.Generator(device=ctx.device).manual_seed(0)
-    out: dict = {"heads": H, "kv_heads": Hkv, "head_dim": hd, "dtype": str(dtype).removeprefix("torch."), "steps": 7}
-    for T in lengths:
-        def r(*shape):
-            return torch.randn(*shape, generator=gen, device=ctx.device, dtype=dtype).requires_grad_(True)
-
-        q, k0, v0 = r(1, H, T, hd), r(1, Hkv, T, hd), r(1, Hkv, T, hd)
-        dk, dv = [r(1, Hkv, T, hd) for _ in range(6)], [r(1, Hkv, T, hd) for _ in range(6)]
-        grad = torch.randn(1, H, T, hd, generator=gen, device=ctx.device, dtype=dtype)
-        row, ref = {}, None
-        for impl in impls:
-            times = []
-            for _ in range(reps + 1):  # the first call compiles / warms up and is dropped
-                q.grad = None
-                if ctx.gpu:
-                    torch.cuda.reset_peak_memory_stats()
-                    before = torch.cuda.memory_allocated()
-                ctx.sync()
-                t0 = time.perf_counter()
-                o = ttt_attention(q, k0, v0, dk, dv, hd ** -0.5, impl=impl)
-                o.backward(grad)
-                ctx.sync()
-                times.append(time.perf_counter() - t0)
-            res = {"ms": round(statistics.median(times[1:]) * 1e3, 2)}
-            if ctx.gpu:
-                res["peak_gib"] = round((torch.cuda.max_memory_allocated() - before) / 2**30, 3)
-            got = (o.detach().float(), q.grad.float())
-            if ref is None:
-                ref = got
-            else:
-                res["max_rel_diff"] = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, ref))
-            row[impl] = res
-            del o
-        out[f"T={T}"] = row
-    return out
-
-
 # In the order they run: what no other check covers first, so a check cut short by its time limit loses least.
-PARTS = {"env": env, "lossless": lossless, "bf16_greedy": bf16_greedy, "ttt_kernels": ttt_kernels, "llama8b": llama8b,
-         "train": train,
+# (check.py runs the kernel parts, kernel_parts.py, before these.)
+PARTS = {"env": env, "lossless": lossless, "bf16_greedy": bf16_greedy, "llama8b": llama8b, "train": train,
          "conformance": conformance, "pytest_gpu": pytest_gpu}

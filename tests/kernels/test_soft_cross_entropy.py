@@ -1,4 +1,6 @@
-"""Soft-target cross-entropy: chunked torch and Triton paths against the torch reference, forward and backward."""
+"""Soft-target cross-entropy: chunked torch and Triton paths against the torch reference, forward and backward.
+On a machine with CUDA the inputs live there and Triton runs compiled (the GPU check runs this file); elsewhere
+on the CPU under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -6,10 +8,13 @@ import importlib.util
 import os
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module imports triton
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module imports triton
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 from draftlab.kernels import soft_cross_entropy as sce  # noqa: E402
 
@@ -26,13 +31,13 @@ def _inputs(shape, dtype, kind, seed=0):
     else:  # rows of a distribution, every other one masked to zeros
         p = torch.softmax(torch.randn(shape, generator=gen), -1)
         p.view(-1, shape[-1])[::2] = 0
-    return z, p
+    return z.to(DEVICE), p.to(DEVICE)
 
 
 def check(module, shape, dtype, kind, impl, **kw):
     """Loss and dlogits (random upstream grad) of ``impl`` against the reference on the same inputs."""
     z, p = _inputs(shape, dtype, kind)
-    g = torch.randn(shape[:-1], generator=torch.Generator().manual_seed(1))
+    g = torch.randn(shape[:-1], generator=torch.Generator().manual_seed(1)).to(DEVICE)
     z_ref = z.clone().requires_grad_(True)
     ref = module.soft_cross_entropy(z_ref, p, impl="torch")
     (ref * g).sum().backward()
@@ -73,7 +78,7 @@ def test_bad_arguments():
 def test_inplace_misuse_is_an_error():
     pytest.importorskip("triton", reason="the Triton path needs the triton package")
     z, p = _inputs((4, 50), torch.float32, "dist")
-    w = torch.randn(4, 50, requires_grad=True)
+    w = torch.randn(4, 50, device=DEVICE, requires_grad=True)
     logits = w * 2  # a non-leaf, also consumed by an op that saves it for backward
     # the other op is recorded first, so its backward runs after ours and would read overwritten logits
     other = (logits * w).sum()
@@ -105,7 +110,7 @@ def test_triton_fp16_and_wide_rows():
 def test_inplace_is_safe_when_the_other_backward_runs_first():
     pytest.importorskip("triton", reason="the Triton path needs the triton package")
     _, p = _inputs((4, 50), torch.float32, "dist")
-    w = torch.randn(4, 50, requires_grad=True)
+    w = torch.randn(4, 50, device=DEVICE, requires_grad=True)
     grads = []
     for inplace in (False, True):
         w.grad = None
@@ -121,3 +126,15 @@ def test_one_chunk_equals_many():
     one = sce.soft_cross_entropy(z, p, impl="chunked")
     many = sce.soft_cross_entropy(z, p, impl="chunked", chunk_elements=100)  # one row per chunk
     torch.testing.assert_close(many, one, rtol=0, atol=0)
+
+
+def test_autocast_leaves_the_fused_paths_alone():
+    """Under bf16 autocast (bf16-mixed training) the chunked and Triton paths give what they give without it:
+    they compute in fp32 from the dtypes they are handed."""
+    z, p = _inputs((5, 300), torch.float32, "dist")
+    impls = ["chunked"] + (["triton"] if sce._triton.available(DEVICE) else [])
+    for impl in impls:
+        plain = sce.soft_cross_entropy(z, p, impl=impl)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            mixed = sce.soft_cross_entropy(z, p, impl=impl)
+        assert mixed.dtype == torch.float32 and torch.equal(mixed, plain), impl

@@ -1,7 +1,8 @@
-"""TTT attention kernels against their torch reference, forward and backward (kernels/ttt_attention.py).
+"""TTT attention kernels against their torch reference, forward and backward (src/draftlab/kernels/ttt_attention.py).
 
-The Triton kernels run on CPU under ``TRITON_INTERPRET=1`` (tests/conftest.py sets it). Deliberately wrong
-kernels (their source with one expression changed) must fail the same check.
+The tensors live on ``DEVICE``: on a machine with CUDA the Triton kernels run compiled there (the GPU check runs
+this file), elsewhere on the CPU under ``TRITON_INTERPRET=1`` (tests/conftest.py sets it when there is no CUDA
+device). Deliberately wrong kernels (their source with one expression changed) must fail the same check.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tests/conftest.py does the same)
 
 from draftlab.kernels import ttt_attention as kernel  # noqa: E402
 from draftlab.kernels._triton import triton  # noqa: E402
 from draftlab.methods.eagle3.ttt import naive_ttt_attention  # noqa: E402
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(triton is None, reason="triton is not installed (pip install -e '.[kernels]')")
 
 # fp32 against the fp32 reference; low precision against the reference run in fp32 on the same (rounded) inputs
@@ -30,15 +33,15 @@ def _case(B=2, H=4, Hkv=2, T=37, hd=24, steps=3, rows=None, padded=True, dtype=t
     M = T if rows is None else len(rows)
 
     def r(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
+        return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
 
     inputs = dict(q=r(B, H, M, hd), k0=r(B, Hkv, T, hd), v0=r(B, Hkv, T, hd),
                   diag_k=[r(B, Hkv, M, hd) for _ in range(steps)], diag_v=[r(B, Hkv, M, hd) for _ in range(steps)])
     key_mask = None
     if padded:
-        key_mask = torch.ones(B, T, dtype=torch.bool)
+        key_mask = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
         key_mask[-1, T - 5:] = False  # the last sample is right-padded
-    rows = None if rows is None else torch.tensor(rows)
+    rows = None if rows is None else torch.tensor(rows, device=DEVICE)
     return inputs, dict(rows=rows, key_mask=key_mask), r(B, H, M, hd)
 
 
@@ -144,6 +147,89 @@ def test_triton_rows_without_keys_get_zero_output_and_grads():
     assert torch.isfinite(out).all() and torch.isfinite(dq).all()
 
 
+# ---- the training dtype mix: an fp32 draft under bf16 autocast (trainer=gpu / fsdp: precision bf16-mixed) ----
+
+
+def _mixed_case(T=40, steps=2, seed=1):
+    """fp32 q and keys (the fp32 rotary tables promote them), bf16 values (a linear under autocast)."""
+    inputs, extra, grad_out = _case(B=1, T=T, hd=16, steps=steps, seed=seed)
+    inputs["v0"] = inputs["v0"].to(torch.bfloat16)
+    inputs["diag_v"] = [v.to(torch.bfloat16) for v in inputs["diag_v"]]
+    return inputs, extra, grad_out
+
+
+def _grads_vs_fp32(impl, inputs, extra, grad_out, autocast: bool, **kw) -> dict:
+    """Each output / gradient's largest error against the fp32 reference on the same inputs, relative to its
+    largest value; asserts every gradient comes back in its input's dtype."""
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
+        got = _run(kernel.ttt_attention, inputs, extra, grad_out, impl=impl, **kw)
+    up = {k: ([t.double() for t in v] if isinstance(v, list) else v.double()) for k, v in inputs.items()}
+    want = _run(kernel.reference, up, extra, grad_out.double())
+    names = ["out", "dq", "dk0", "dv0"] + [f"d{n}{i + 1}" for n in ("k", "v") for i in range(len(inputs["diag_k"]))]
+    for name, g, leaf in zip(names[1:], got[1:], _leaves(inputs)):
+        assert g.dtype == leaf.dtype, (impl, name, g.dtype, leaf.dtype)
+    return {n: float((a.double() - b).abs().max() / b.abs().max()) for n, a, b in zip(names, got, want)}
+
+
+def _within(errors: dict, inputs, compute_limit: float) -> None:
+    """Each error under ``compute_limit``, or under bf16's rounding where the result itself is bf16 (a gradient
+    handed back in its bf16 input's dtype)."""
+    dtypes = [inputs["q"].dtype] + [t.dtype for t in _leaves(inputs)]  # out in q's dtype, then each leaf's grad
+    over = {n: e for (n, e), d in zip(errors.items(), dtypes)
+            if e > (max(compute_limit, 8e-3) if d == torch.bfloat16 else compute_limit)}
+    assert not over, (over, errors)
+
+
+@needs_triton
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16_autocast", "no_autocast"])
+def test_triton_takes_the_training_dtype_mix(autocast):
+    """fp32 q / k with bf16 v: Triton's dot products need one dtype, so the call casts to one (autocast's
+    bf16 under autocast, else the promotion, fp32) and hands each gradient back in its input's dtype."""
+    inputs, extra, grad_out = _mixed_case()
+    errors = _grads_vs_fp32("triton", inputs, extra, grad_out, autocast)
+    _within(errors, inputs, 3e-2 if autocast else 1e-4)  # bf16 compute; else fp32 on the given (bf16) values
+
+
+def test_blockwise_under_autocast_is_within_the_references_own_error():
+    """Under bf16 autocast the blockwise path runs forward and backward in fp32 (autocast off inside): its
+    gradients are at least as close to the fp32 result as the torch reference's under the same autocast. (With
+    the forward's matmuls in bf16 and the backward's recomputation in fp32, p no longer matched the saved lse
+    and the error doubled.)"""
+    inputs, extra, grad_out = _case(B=1, T=96, hd=16, steps=2, seed=2)
+    ours = _grads_vs_fp32("blockwise", inputs, extra, grad_out, True, block=32)
+    torch_path = _grads_vs_fp32("torch", inputs, extra, grad_out, True)
+    worse = {n: (ours[n], torch_path[n]) for n in ours if ours[n] > torch_path[n] + 1e-6}
+    assert not worse, worse
+
+
+def test_blockwise_takes_the_training_dtype_mix():
+    inputs, extra, grad_out = _mixed_case()
+    errors = _grads_vs_fp32("blockwise", inputs, extra, grad_out, True, block=16)
+    _within(errors, inputs, 1e-4)  # fp32 compute on the given (bf16-rounded) values
+
+
+@needs_triton
+def test_triton_refuses_blocks_under_16():
+    inputs, extra, grad_out = _case(T=20)
+    with pytest.raises(ValueError, match="at least 16"):
+        _run(kernel.ttt_attention, inputs, extra, grad_out, impl="triton", block=8)
+
+
+def test_auto_picks_triton_only_for_tested_dtypes(monkeypatch):
+    monkeypatch.setattr(kernel, "triton_available", lambda device: True)
+    assert kernel.resolve_impl("auto", "cuda", torch.bfloat16) == "triton"
+    assert kernel.resolve_impl("auto", "cuda", torch.float32) == "triton"
+    assert kernel.resolve_impl("auto", "cuda", torch.float64) == "blockwise"
+    assert kernel.resolve_impl("auto", "cpu", torch.bfloat16) == "blockwise"
+
+
+def test_compute_dtype_follows_autocast_else_promotion():
+    a, b = torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)
+    assert kernel.compute_dtype(a, b) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kernel.compute_dtype(a, b) == torch.bfloat16
+
+
 def test_flex_forward_equals_the_reference():
     """flex_attention has no CPU backward in this torch: its forward (eager) is checked here, its backward
     where it runs (the GPU check)."""
@@ -186,7 +272,7 @@ MUTANTS = {
 
 
 def _mutant(tmp_path, function: str, old: str, new: str):
-    """kernels/ttt_attention.py with ``old`` replaced by ``new`` inside ``function`` (exactly once), imported
+    """draftlab/kernels/ttt_attention.py with ``old`` replaced by ``new`` inside ``function`` (exactly once), imported
     from a file (Triton's jit reads kernel source from files)."""
     source = inspect.getsource(kernel)
     start = source.index(f"def {function}(")
@@ -216,9 +302,9 @@ def test_a_wrong_kernel_fails_the_check(tmp_path, name):
 
 
 def test_the_kernels_folder_does_not_shadow_an_installed_kernels_package():
-    """``kernels/`` has no ``__init__.py``: run from the repository root, a regular package there would hide the
-    ``kernels`` distribution transformers imports (Hugging Face's kernel hub); ``draftlab.kernels`` reaches it
-    through ``src/draftlab/kernels`` instead."""
+    """The root ``kernels/`` folder (a README pointing to ``src/draftlab/kernels``) has no ``__init__.py``: run
+    from the repository root, a regular package there would hide the ``kernels`` distribution transformers
+    imports (Hugging Face's kernel hub)."""
     import importlib.util
     from pathlib import Path
 

@@ -37,26 +37,54 @@ import torch
 from draftlab.kernels._triton import available as triton_available
 from draftlab.kernels._triton import interpreting, tl, triton
 from draftlab.kernels._triton import require as require_triton
+from draftlab.kernels.ttt_flex import flex_ttt
 
 IMPLS = ("torch", "blockwise", "triton", "flex")
 BLOCK = 512  # blockwise: rows and keys per block (about B*H*512*512 fp32 scores live at once)
 
 
-def resolve_impl(impl: str, device: torch.device | str) -> str:
-    """``auto`` -> ``triton`` on CUDA with Triton installed, else ``blockwise``; any other name is checked."""
+# The compute dtypes the Triton kernels are tested in (tests/kernels: fp32 and fp64 against the reference,
+# bf16 and fp16 against it run in fp32); ``auto`` picks Triton only for these.
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_impl(impl: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """``auto`` -> ``triton`` on CUDA with Triton installed and a tested compute ``dtype`` (``compute_dtype``;
+    None: any), else ``blockwise``; any other name is checked."""
     if impl == "auto":
-        return "triton" if str(device).startswith("cuda") and triton_available(device) else "blockwise"
+        tested = dtype is None or dtype in TRITON_DTYPES
+        return "triton" if str(device).startswith("cuda") and triton_available(device) and tested else "blockwise"
     if impl not in IMPLS:
         raise ValueError(f"TTT attention must be one of auto, {', '.join(IMPLS)}; got '{impl}'")
     return impl
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The one dtype a fused kernel call computes in: autocast's dtype where autocast is on for the tensors'
+    device (what the matmuls around it run in), else the promotion of the inputs' dtypes. Under bf16-mixed
+    training an fp32 draft's rotary tables make q and k fp32 while v stays bf16: one kernel call must not see
+    both (Triton's dot products need one dtype)."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: Sequence[torch.Tensor],
                   diag_v: Sequence[torch.Tensor], scale: float, *, rows: torch.Tensor | None = None,
                   key_mask: torch.Tensor | None = None, impl: str = "auto", block: int | None = None
                   ) -> torch.Tensor:
-    """Prefix + diagonal attention of one TTT step (layout in the module docstring)."""
-    impl = resolve_impl(impl, q.device)
+    """Prefix + diagonal attention of one TTT step (layout in the module docstring).
+
+    ``blockwise`` and ``triton`` run with autocast off, forward and backward alike, each in one dtype:
+    blockwise in fp32 (fp64 for fp64 inputs) whatever its inputs; Triton in ``compute_dtype`` (its inputs cast
+    to it, the gradients cast back to each input's dtype). Under autocast the forward would otherwise run its
+    matmuls in bf16 and the backward recompute them in fp32, so p would no longer match the saved lse."""
+    ct = compute_dtype(q, k0, v0, *diag_k, *diag_v)
+    impl = resolve_impl(impl, q.device, ct)
     B, H, M, hd = q.shape
     T = k0.shape[2]
     if rows is None and M != T:
@@ -73,11 +101,15 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: S
         if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
             raise RuntimeError("flex_attention has no CPU backward in this torch: train with attention: blockwise "
                                "on CPU (flex runs forward-only there)")
-        return _flex(q, k0, v0, dk, dv, scale, rows, key_mask)
-    if impl == "triton":
-        require_triton(q.device)
-        return _TritonTTT.apply(q, k0, v0, dk, dv, rows, key_mask, scale, positions, block)
-    return _Blockwise.apply(q, k0, v0, dk, dv, rows, key_mask, scale, block or BLOCK)
+        return flex_ttt(q, k0, v0, dk, dv, scale, rows, key_mask)
+    with torch.autocast(q.device.type, enabled=False):
+        if impl == "triton":
+            require_triton(q.device)
+            if block is not None and block < 16:
+                raise ValueError(f"Triton's dot products need blocks of at least 16 rows, got block={block}")
+            q, k0, v0, dk, dv = (t.to(ct) for t in (q, k0, v0, dk, dv))  # autograd casts each grad back
+            return _TritonTTT.apply(q, k0, v0, dk, dv, rows, key_mask, scale, positions, block)
+        return _Blockwise.apply(q, k0, v0, dk, dv, rows, key_mask, scale, block or BLOCK)
 
 
 def _stack(diag: Sequence[torch.Tensor], like: torch.Tensor, M: int) -> torch.Tensor:
@@ -180,85 +212,47 @@ class _Blockwise(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k0, v0, dk, dv, rows, key_mask, out, lse = ctx.saved_tensors
-        scale, block = ctx.scale, ctx.block
-        B, H, M, hd = q.shape
-        Hkv, T, n_diag = k0.shape[1], k0.shape[2], dk.shape[2]
-        G = H // Hkv
-        ct = out.dtype
-        qg = q.reshape(B, Hkv, G, M, hd)
-        do = grad_out.reshape(B, Hkv, G, M, hd).to(ct)  # [B, Hkv, G, M, hd]
-        delta = (do * out).sum(-1)  # [B, Hkv, G, M]: sum_j p_j dp_j, the softmax backward's row term
-        g_q = torch.zeros(B, Hkv, G, M, hd, dtype=ct, device=q.device)
-        g_k0 = torch.zeros(B, Hkv, T, hd, dtype=ct, device=q.device)
-        g_v0 = torch.zeros_like(g_k0)
-        g_dk = torch.zeros(dk.shape, dtype=ct, device=q.device)  # [B, Hkv, k, M, hd]
-        g_dv = torch.zeros_like(g_dk)
-        for m0 in range(0, M, block):
-            m1 = min(M, m0 + block)
-            qb, rb = qg[:, :, :, m0:m1].to(ct), rows[m0:m1]  # [B, Hkv, G, bm, hd]
-            dob, lb, db = do[:, :, :, m0:m1], lse[:, :, :, m0:m1, None], delta[:, :, :, m0:m1, None]
-            for n0 in range(0, min(T, int(rb.max()) + 1), block):
-                n1 = min(T, n0 + block)
-                kb, vb = k0[:, :, None, n0:n1].to(ct), v0[:, :, None, n0:n1].to(ct)  # [B, Hkv, 1, bn, hd]
-                s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [B, Hkv, G, bm, bn]
-                s = s.masked_fill(~prefix_mask(rb, key_mask, n0, n1)[:, None, None], -math.inf)
-                p = torch.exp(s - lb)  # the forward's probabilities, recomputed
-                g_v0[:, :, n0:n1] += torch.matmul(p.transpose(-1, -2), dob).sum(2)  # [B, Hkv, bn, hd]
-                ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - db)  # [B, Hkv, G, bm, bn]
-                g_q[:, :, :, m0:m1] += torch.matmul(ds, kb) * scale
-                g_k0[:, :, n0:n1] += torch.matmul(ds.transpose(-1, -2), qb).sum(2) * scale
-            for i in range(n_diag):
-                kd = dk[:, :, None, i, m0:m1].to(ct)  # [B, Hkv, 1, bm, hd]
-                vd = dv[:, :, None, i, m0:m1].to(ct)
-                p = torch.exp((qb * kd).sum(-1, keepdim=True) * scale - lb)  # [B, Hkv, G, bm, 1]
-                g_dv[:, :, i, m0:m1] += (p * dob).sum(2)
-                ds = p * ((dob * vd).sum(-1, keepdim=True) - db)  # [B, Hkv, G, bm, 1]
-                g_q[:, :, :, m0:m1] += ds * kd * scale
-                g_dk[:, :, i, m0:m1] += (ds * qb).sum(2) * scale
-        return (g_q.reshape(B, H, M, hd).to(q.dtype), g_k0.to(k0.dtype), g_v0.to(v0.dtype), g_dk.to(dk.dtype),
-                g_dv.to(dv.dtype), None, None, None, None)
-
-
-# ------------------------------------------------------------------------------------------------------
-# flex_attention
-
-
-def _flex(q, k0, v0, dk, dv, scale, rows, key_mask):
-    """The TTT mask as a flex_attention ``mask_mod`` over keys ``[prefix T | step 1 M | ... | step k M]``."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    B, H, M, hd = q.shape
-    Hkv, T, n_diag = k0.shape[1], k0.shape[2], dk.shape[2]
-    keys = torch.cat([k0, dk.flatten(2, 3)], dim=2)  # [B, Hkv, T + k*M, hd]
-    values = torch.cat([v0, dv.flatten(2, 3)], dim=2)
-    km = key_mask if key_mask is not None else torch.ones(1, T, dtype=torch.bool, device=q.device)
-
-    def mask_mod(b, h, m, s):
-        in_prefix = s < T
-        sp = torch.clamp(s, max=T - 1)
-        sees_prefix = (sp <= rows[m]) & km[b if key_mask is not None else 0, sp]
-        own = (s - T) % M == m  # the row's own key of a later step
-        return torch.where(in_prefix, sees_prefix, own)
-
-    mask = create_block_mask(mask_mod, B if key_mask is not None else None, None, M, T + n_diag * M,
-                             device=q.device)
-    return _flex_kernel(q.device)(q, keys, values, block_mask=mask, scale=scale, enable_gqa=H != Hkv)
-
-
-_COMPILED_FLEX = None
-
-
-def _flex_kernel(device):
-    """flex_attention is one fused kernel only when compiled (CUDA); eager, it materialises the scores."""
-    global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if torch.device(device).type != "cuda":
-        return flex_attention
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
+        # The recomputation runs as the forward did: autocast off (a backward under autocast would run its
+        # matmuls in bf16 while the saved lse came from fp32 ones).
+        with torch.autocast(grad_out.device.type, enabled=False):
+            q, k0, v0, dk, dv, rows, key_mask, out, lse = ctx.saved_tensors
+            scale, block = ctx.scale, ctx.block
+            B, H, M, hd = q.shape
+            Hkv, T, n_diag = k0.shape[1], k0.shape[2], dk.shape[2]
+            G = H // Hkv
+            ct = out.dtype
+            qg = q.reshape(B, Hkv, G, M, hd)
+            do = grad_out.reshape(B, Hkv, G, M, hd).to(ct)  # [B, Hkv, G, M, hd]
+            delta = (do * out).sum(-1)  # [B, Hkv, G, M]: sum_j p_j dp_j, the softmax backward's row term
+            g_q = torch.zeros(B, Hkv, G, M, hd, dtype=ct, device=q.device)
+            g_k0 = torch.zeros(B, Hkv, T, hd, dtype=ct, device=q.device)
+            g_v0 = torch.zeros_like(g_k0)
+            g_dk = torch.zeros(dk.shape, dtype=ct, device=q.device)  # [B, Hkv, k, M, hd]
+            g_dv = torch.zeros_like(g_dk)
+            for m0 in range(0, M, block):
+                m1 = min(M, m0 + block)
+                qb, rb = qg[:, :, :, m0:m1].to(ct), rows[m0:m1]  # [B, Hkv, G, bm, hd]
+                dob, lb, db = do[:, :, :, m0:m1], lse[:, :, :, m0:m1, None], delta[:, :, :, m0:m1, None]
+                for n0 in range(0, min(T, int(rb.max()) + 1), block):
+                    n1 = min(T, n0 + block)
+                    kb, vb = k0[:, :, None, n0:n1].to(ct), v0[:, :, None, n0:n1].to(ct)  # [B, Hkv, 1, bn, hd]
+                    s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [B, Hkv, G, bm, bn]
+                    s = s.masked_fill(~prefix_mask(rb, key_mask, n0, n1)[:, None, None], -math.inf)
+                    p = torch.exp(s - lb)  # the forward's probabilities, recomputed
+                    g_v0[:, :, n0:n1] += torch.matmul(p.transpose(-1, -2), dob).sum(2)  # [B, Hkv, bn, hd]
+                    ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - db)  # [B, Hkv, G, bm, bn]
+                    g_q[:, :, :, m0:m1] += torch.matmul(ds, kb) * scale
+                    g_k0[:, :, n0:n1] += torch.matmul(ds.transpose(-1, -2), qb).sum(2) * scale
+                for i in range(n_diag):
+                    kd = dk[:, :, None, i, m0:m1].to(ct)  # [B, Hkv, 1, bm, hd]
+                    vd = dv[:, :, None, i, m0:m1].to(ct)
+                    p = torch.exp((qb * kd).sum(-1, keepdim=True) * scale - lb)  # [B, Hkv, G, bm, 1]
+                    g_dv[:, :, i, m0:m1] += (p * dob).sum(2)
+                    ds = p * ((dob * vd).sum(-1, keepdim=True) - db)  # [B, Hkv, G, bm, 1]
+                    g_q[:, :, :, m0:m1] += ds * kd * scale
+                    g_dk[:, :, i, m0:m1] += (ds * qb).sum(2) * scale
+            return (g_q.reshape(B, H, M, hd).to(q.dtype), g_k0.to(k0.dtype), g_v0.to(v0.dtype), g_dk.to(dk.dtype),
+                    g_dv.to(dv.dtype), None, None, None, None)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -298,7 +292,7 @@ class _TritonTTT(torch.autograd.Function):
         B, H, M, hd = q.shape
         Hkv, T, n_diag = k0.shape[1], k0.shape[2], dk.shape[2]
         G = H // Hkv
-        do = grad_out.contiguous()
+        do = grad_out.to(q.dtype).contiguous()  # the compute dtype: one dtype in every dot product
         delta = (do.float() * out.float()).sum(-1).contiguous()  # [B, H, M]
         prec = "ieee" if q.dtype == torch.float32 else None
         g_q = torch.empty(B, H, M, hd, dtype=torch.float32, device=q.device)

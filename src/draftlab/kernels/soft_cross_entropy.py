@@ -171,13 +171,16 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, impl: str 
     z = logits.reshape(-1, v)  # [N, V]
     p = target.detach().reshape(-1, v)  # [N, V]
     if impl == "torch":
-        loss = soft_cross_entropy_reference(z, p)
-    elif impl == "chunked":
-        loss = _ChunkedSoftCE.apply(z, p, chunk_elements)
-    else:
-        _triton.require(logits.device)
-        if inplace:
-            # the backward overwrites what it saved: only when the logits are a tensor of their own
-            z = z if z.data_ptr() == logits.data_ptr() and z.is_contiguous() else z.contiguous()
-        loss = _TritonSoftCE.apply(z, p, inplace)
+        return soft_cross_entropy_reference(z, p).reshape(lead)
+    # The fused paths compute in fp32 from whatever dtypes arrive, with autocast off (as for TTT attention):
+    # nothing inside may be recast between forward and backward.
+    with torch.autocast(logits.device.type, enabled=False):
+        if impl == "chunked":
+            loss = _ChunkedSoftCE.apply(z, p, chunk_elements)
+        else:
+            _triton.require(logits.device)
+            if inplace:
+                # the backward overwrites what it saved: only when the logits are a tensor of their own
+                z = z if z.data_ptr() == logits.data_ptr() and z.is_contiguous() else z.contiguous()
+            loss = _TritonSoftCE.apply(z, p, inplace)
     return loss.reshape(lead)
