@@ -27,7 +27,7 @@ pytestmark = pytest.mark.xdist_group("ssd-eagle3-trained")
 
 
 def _trained(target):
-    """An EAGLE-3 draft trained long enough on the test corpus (300 steps, ~1 min) to be accepted in about a
+    """An EAGLE-3 draft trained long enough on the test corpus (300 steps, ~40 s) to be accepted in about a
     fifth of the first rounds at T = 0.3 from ``first_round_prompt``: what gives the powered check its power.
     Trained once per run (``quick_train``'s store); the ``trained`` fixture makes that a set-up cost."""
     return quick_train(MethodSpec.from_name("ssd_eagle3", ci=True), target, steps=300)

@@ -9,6 +9,7 @@ corpus, which makes their trees accepted often enough that every commit path run
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from functools import cache
 
 import pytest
@@ -117,7 +118,7 @@ def _train(spec: MethodSpec, target, *, steps: int, lr: float):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with torch.random.fork_rng():
+        with torch.random.fork_rng(), _frozen_target_memo(module):
             torch.manual_seed(0)
             draft.train()
             step = 0
@@ -133,6 +134,45 @@ def _train(spec: MethodSpec, target, *, steps: int, lr: float):
     finally:
         torch.set_num_threads(threads)
     return draft.eval()
+
+
+@contextmanager
+def _frozen_target_memo(module):
+    """For a plain EAGLE-3 module, whose target side is frozen: each batch's target features and the TTT's
+    target-side tensors (``_TargetSide.of``, pure functions of the target's logits and the fixed vocabulary
+    mapping) computed once and reused when the batch comes round again, as a long run over a small corpus does
+    every few steps (the SSD checks' 300-step draft: a third of its time). The trained draft is the one the
+    uncached loop trains (``test_the_frozen_target_memo_trains_the_same_draft``). Other modules (ConFu trains
+    target-side soft prompts) run as they are."""
+    from draftlab.methods.eagle3 import ttt
+    from draftlab.methods.eagle3.module import Eagle3Module
+
+    if type(module) is not Eagle3Module:
+        yield
+        return
+    features: dict[bytes, tuple] = {}
+    sides: dict[int, object] = {}
+    plain_features, plain_of, descriptor = module.target_features, ttt._TargetSide.of, ttt._TargetSide.__dict__["of"]
+
+    def target_features(batch):
+        key = b"".join(batch[k].cpu().numpy().tobytes() for k in sorted(batch) if isinstance(batch[k], torch.Tensor))
+        if key not in features:
+            features[key] = plain_features(batch)
+        return features[key]
+
+    def of(draft, target_logits, chunk_rows=None):
+        # Keyed by the logits tensor itself: only the memoised features' tensors (alive in ``features``) come back.
+        if id(target_logits) not in sides:
+            sides[id(target_logits)] = (target_logits, plain_of(draft, target_logits, chunk_rows))
+        return sides[id(target_logits)][1]
+
+    module.target_features = target_features
+    ttt._TargetSide.of = of
+    try:
+        yield
+    finally:
+        del module.target_features
+        ttt._TargetSide.of = descriptor
 
 
 def first_losses(spec: MethodSpec, target, *, steps: int = 4, lr: float = 1e-3) -> list[float]:
