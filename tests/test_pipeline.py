@@ -458,8 +458,8 @@ def test_gpu_training_config_trains_under_cpu_emulated_gpu_conditions(tmp_path, 
         pytest.skip("needs triton under its interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)")
     _env(monkeypatch, tmp_path, shared_data)
     cfg = _compose([*BASE, f"paths.artifacts={tmp_path / 'artifacts'}", "trainer=gpu", "trainer.accelerator=cpu",
-                    "trainer.max_epochs=1", "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1",
-                    "data.max_length=64",  # the interpreter runs each Triton block in numpy: short rows
+                    "trainer.max_epochs=1", "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=0",
+                    "data.max_length=48",  # the interpreter runs each Triton block in numpy: short rows
                     "method.module.attention=triton", "method.module.cross_entropy=triton", "eval.enabled=false"],
                    tmp_path, "train")
     assert cfg.trainer.precision == "bf16-mixed"

@@ -78,7 +78,7 @@ def ttt_right(ctx: Context) -> dict:
     from draftlab.kernels._triton import available
 
     hd_list = (64, 128) if ctx.gpu else (16,)
-    T = 256 if ctx.gpu else 40
+    T = 256 if ctx.gpu else 24
     impls = ["blockwise"] + (["triton"] if available(ctx.device) else [])
     cases = {
         "bf16": dict(dtypes=(torch.bfloat16, torch.bfloat16)),
@@ -253,7 +253,7 @@ def ttt_step(ctx: Context) -> dict:
     if ctx.gpu:
         d, heads, kv, inter, vocab, dv, lengths = 4096, 32, 8, 14336, 128256, 32000, (2048, 4096, 8192)
     else:
-        d, heads, kv, inter, vocab, dv, lengths = 64, 4, 2, 128, 1000, 256, (32,)
+        d, heads, kv, inter, vocab, dv, lengths = 64, 4, 2, 128, 1000, 256, (24,)
     cfg = Eagle3Config(hidden_size=d, intermediate_size=inter, num_heads=heads, num_kv_heads=kv, head_dim=d // heads,
                        vocab_size=vocab, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
     torch.manual_seed(0)

@@ -337,8 +337,10 @@ def first_round_p_value(laws: np.ndarray, observed: np.ndarray, *, samples: int 
         sims = []
         offsets = (np.arange(s) * block)[:, None]  # [s, 1]: replicate r's cells at r * block ...
         for c in cum:
-            u = rng.random((s, n, 1))
-            cell = (u >= c[None, :, :-1]).sum(-1)  # [s, n]: inverse-CDF draw of each trial's cell
+            u = rng.random((s, n))
+            cell = np.zeros((s, n), dtype=np.int64)  # [s, n]: inverse-CDF draw of each trial's cell,
+            for edge in c[:, :-1].T:  # one cumulative edge at a time (no [s, n, block] temporary)
+                cell += u >= edge
             sims.append(np.bincount((cell + offsets).ravel(), minlength=s * block).reshape(s, block))  # [s, block]
         x2, z = _statistics(np.concatenate(sims, -1).astype(np.float64), expected, variance)
         x2_null.append(x2)
