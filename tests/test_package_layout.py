@@ -20,7 +20,7 @@ def test_no_symlink_under_src():
 
 def test_the_code_shape_walker_reads_the_kernels(tmp_path):
     pkg = tmp_path / "draftlab"
-    shutil.copytree(SRC / "draftlab", pkg)
+    shutil.copytree(SRC / "draftlab", pkg, symlinks=True)  # a symlinked folder stays one (walkers skip it)
     path = pkg / KERNEL
     path.write_text(path.read_text() + "\n" * (test_code_shape.MAX_FILE_LINES + 1))
     assert KERNEL in test_code_shape.oversized(pkg)
@@ -35,7 +35,7 @@ def test_the_import_graph_reads_the_kernels():
 
 def test_the_reuse_hash_covers_the_kernels(tmp_path):
     pkg = tmp_path / "draftlab"
-    shutil.copytree(SRC / "draftlab", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(SRC / "draftlab", pkg, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     before = source_version(pkg)
     (pkg / KERNEL).write_text((pkg / KERNEL).read_text() + "\n# an edit\n")
     assert source_version(pkg) != before
