@@ -104,6 +104,16 @@ def tiny_target():
 
 
 @pytest.fixture(scope="session")
+def compiled_tiny_target():
+    """The tiny target with ``compile="on"`` (targets/compiled.py): its graphs compile once per worker, a few
+    seconds per row bucket, so the tests that decode through them share this one."""
+    from draftlab.targets import load_target
+
+    extra = {"tokenizer": TEST_TOKENIZER} if TEST_TOKENIZER else {}
+    return pinned_row_kernels(load_target("tiny_random", device=TEST_DEVICE, compile="on", **extra))
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     from draftlab.targets import load_target
 

@@ -238,7 +238,11 @@ class UnrescaledQ(SpeculationCache):
 # backup) emits tokens 1-5 when it accepts its chain, so they come from the second round, a cached chain.
 # ``unrescaled`` is in the heavy tier (``-m heavy``: 300 trials of an inline worker, over a minute); the default
 # run kills the same mutant in the exact check of every served law (test_a_misreported_cached_law_is_caught).
+# ``fast`` is in the heavy tier too (a minute): the default run checks the fast backup's cached rounds with the
+# same check in test_ssd_eagle3.py::test_powered_sampling_check[fast_cached] (the backup and the cache are the
+# same code whichever primary drafts), and this file's ``jit`` case keeps the draft-model primary.
 POWERED = {"jit": (SpeculationCache, "jit"), "fast": (SpeculationCache, "fast"), "unrescaled": (UnrescaledQ, "jit")}
+HEAVY = {"fast", "unrescaled"}
 
 
 def test_a_misreported_cached_law_is_caught(tiny_target):
@@ -251,8 +255,7 @@ def test_a_misreported_cached_law_is_caught(tiny_target):
                     max_new_tokens=40, temperature=0.3, seed=10 * seed + i, stop_on_eos=False))
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if POWERED[c][0] is not SpeculationCache
-                                  else c for c in POWERED])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if c in HEAVY else c for c in POWERED])
 def test_powered_sampling_check_on_cached_rounds(tiny_target, case):
     cache_cls, backup = POWERED[case]
     made = []

@@ -34,10 +34,10 @@ from draftlab.utils.logging import get_logger
 log = get_logger(__name__)
 
 
-# Target settings that only say which hidden states a forward captures, or which of two equal products
-# a small-row pass uses: they change no token the target produces, so neither regenerated data nor a
+# Target settings that only say which hidden states a forward captures, which of two equal products a
+# small-row pass uses, or whether passes are compiled (the same sums in another order): they change no token the target produces, so neither regenerated data nor a
 # training key depends on them (methods choose their taps; the row kernels are a per-machine choice).
-_CAPTURE_KEYS = ("aux_layer_ids", "layer_convention", "row_kernels")
+_CAPTURE_KEYS = ("aux_layer_ids", "layer_convention", "row_kernels", "compile")
 
 
 def target_identity(cfg: DictConfig) -> dict:

@@ -114,7 +114,9 @@ def _evaluate_here(cfg: DictConfig, target, drafter, run_dir: Path, loggers: lis
               "mismatches_vs_ar": res.mismatches_vs_ar, "answer_files": res.answer_files,
               # per question: accepted tokens, rounds, method and AR tok/s (intervals, paired comparisons)
               "questions": res.metrics.get("questions"), "interval": res.metrics.get("interval"),
-              "baselines": compared, "timing": timing}
+              "baselines": compared, "timing": timing,
+              # compiled passes (engine.compile): graphs, compile seconds, recompiles, passes per road
+              "engine": target.compile_stats() if hasattr(target, "compile_stats") else {"compile": "off"}}
     scores = _reference_scores(bench, questions, res)
     if scores:
         print(format_scores(bench.name, scores))

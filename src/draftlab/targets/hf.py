@@ -44,6 +44,9 @@ from draftlab.targets.base import (
     TargetOutput,
     default_aux_layer_ids,
 )
+from draftlab.targets.compiled import MODES as COMPILE_MODES
+from draftlab.targets.compiled import PAD_SLOTS, CompiledPasses
+from draftlab.targets.compiled import resolve_mode as resolve_compile
 from draftlab.targets.fused import cpu_head_pays, fuse_layers, placement
 from draftlab.targets.row_kernels import GEMM, MODES, ROW_GRID, RowKernels
 from draftlab.utils.logging import get_logger
@@ -86,7 +89,7 @@ class HFTarget:
 
     def __init__(self, model, tokenizer, *, aux_layer_ids: list[int] | None = None,
                  layer_convention: LayerConvention | str = LayerConvention.OUTPUT_OF, name: str | None = None,
-                 row_kernels: str = "auto"):
+                 row_kernels: str = "auto", compile: str = "off"):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "target")
@@ -105,6 +108,10 @@ class HFTarget:
         if row_kernels not in MODES:
             raise ValueError(f"row_kernels must be one of {MODES}, got {row_kernels!r}")
         self.row_kernels_mode = row_kernels
+        # Decode and verify passes through torch.compile (targets/compiled.py): off | auto | on.
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+        self.compile_mode = compile
         self._refresh()
 
     def to(self, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> HFTarget:
@@ -130,6 +137,20 @@ class HFTarget:
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin tables [P, hd]
         self._lm_head_t: torch.Tensor | None = None  # [d, V], made by the first single-row CPU product
         self._row_kernels: RowKernels | None = None
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        on = resolve_compile(self.compile_mode, device=self._probe.weight.device, weight_bytes=weight_bytes,
+                             supported=fusable and self._probe.weight.device.type != "meta")
+        self._compiled = CompiledPasses(self) if on else None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode and verify passes run through the compiled graphs (``compile`` resolved)."""
+        return self._compiled is not None
+
+    def compile_stats(self) -> dict:
+        """The ``engine`` block of a run record: the compile setting, what compiling cost, recompiles."""
+        stats = self._compiled.stats.as_dict() if self._compiled is not None else {}
+        return {"compile": self.compile_mode, "compiled": self.compiled, **stats}
 
     def _follow_model(self) -> None:
         # A few hundred ns per pass: the model was moved or cast behind the target's back (``model.to``).
@@ -222,6 +243,8 @@ class HFTarget:
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         g = self.geometry
+        if self._compiled is not None:
+            max_length += PAD_SLOTS  # room for a compiled pass's pad rows (row buckets) after the last real one
         return KVCache(g.num_layers, batch_size, g.num_kv_heads, g.head_dim, max_length,
                        dtype=self.dtype, device=self.device)
 
@@ -374,23 +397,13 @@ def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: PassRows, cach
                    idx: torch.Tensor | None) -> torch.Tensor:
     """One decoder layer on rows ``x [B, T, d]``: the only statement of the layer (forward, forward_layers)."""
     w = target._layers[li]
-    g = target.geometry
-    H, Hkv, hd, d = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size
-    B, T, _ = x.shape
+    H, Hkv = target.geometry.num_heads, target.geometry.num_kv_heads
     _linear = target.row_kernels.linear
-    h = F.rms_norm(x, (d,), w["ln1"], w["eps1"])
-    q, k, v = _linear(h, w["wqkv"], w["bqkv"]).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
-    q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
-    k = k.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-    v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-    if w["q_norm"] is not None:  # qwen3 normalises q/k per head before RoPE
-        q, k = w["q_norm"](q), w["k_norm"](k)
-    q = q * r.cos + rotate_half(q) * r.sin
-    k = k * r.cos + rotate_half(k) * r.sin
+    q, k, v = layer_projections(target, w, x, r.cos, r.sin, _linear)
     mask = r.mask if r.layer_masks is None else layer_mask(r, cache, li)  # [B|1, 1, T, S] or None
     k, v, mask = layer_keys(cache, li, r, k, v, mask, idx)  # [B, Hkv, S', hd], mask [B|1, 1|Hkv, T, S']
     probs = None
-    if T <= _GROUPED_ATTENTION_MAX_ROWS:
+    if x.shape[1] <= _GROUPED_ATTENTION_MAX_ROWS:
         probs = grouped_probs(q, k, mask, w["scaling"])  # [B, Hkv, G, T, S']
         o = grouped_attention(q, k, v, mask, w["scaling"], probs)  # [B, H, T, hd]
     else:
@@ -400,9 +413,45 @@ def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: PassRows, cach
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=w["scaling"], enable_gqa=Hkv != H)
     if r.mass_rows:
         r.masses.append(layer_mass(r, q, k, mask, probs, w["scaling"]))  # [B, Hkv, S]
-    x = x + _linear(o.transpose(1, 2).reshape(B, T, H * hd), w["wo"], w["bo"])
-    gate, up = _linear(F.rms_norm(x, (d,), w["ln2"], w["eps2"]), w["wgu"]).chunk(2, dim=-1)
-    return x + _linear(w["act"](gate) * up, w["wd"])
+    return layer_output(target, w, x, o, _linear)
+
+
+def layer_projections(target: HFTarget, w: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear):
+    """A layer's first half on rows ``x [B, T, d]``: norm, q|k|v, per-head norms, RoPE (cos/sin [B, 1, T, hd]).
+    Returns q [B, H, T, hd], k/v [B, Hkv, T, hd]. Shared by the eager and the compiled pass."""
+    g = target.geometry
+    H, Hkv, hd, d = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size
+    B, T, _ = x.shape
+    h = F.rms_norm(x, (d,), w["ln1"], w["eps1"])
+    q, k, v = linear(h, w["wqkv"], w["bqkv"]).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+    q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
+    k = k.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+    v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+    if w["q_norm"] is not None:  # qwen3 normalises q/k per head before RoPE
+        q, k = w["q_norm"](q), w["k_norm"](k)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+def layer_output(target: HFTarget, w: dict, x: torch.Tensor, o: torch.Tensor, linear) -> torch.Tensor:
+    """A layer's second half: attention output ``o [B, H, T, hd]`` projected and added to ``x [B, T, d]``,
+    then the MLP block -> [B, T, d]. Shared by the eager and the compiled pass."""
+    B, T, d = x.shape
+    x = x + linear(o.transpose(1, 2).reshape(B, T, -1), w["wo"], w["bo"])
+    gate, up = linear(F.rms_norm(x, (d,), w["ln2"], w["eps2"]), w["wgu"]).chunk(2, dim=-1)
+    return x + linear(w["act"](gate) * up, w["wd"])
+
+
+def static_layer(target: HFTarget, w: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 mask: torch.Tensor, slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, linear) -> torch.Tensor:
+    """One decoder layer as ``targets/compiled.py`` compiles it (one graph serves every layer: the weights
+    ``w`` are inputs): rows ``x [1, T, d]`` write K/V at cache ``slots [T]`` in place into this layer's
+    ``kc/vc [1, Hkv, S_max, hd]`` and attend to slots ``[0, S)`` under ``mask [1, 1, T, S]`` -> [1, T, d]."""
+    q, k, v = layer_projections(target, w, x, cos, sin, linear)
+    kc.index_copy_(2, slots, k)
+    vc.index_copy_(2, slots, v)
+    S = mask.shape[-1]
+    o = grouped_attention(q, kc[:, :, :S], vc[:, :, :S], mask, w["scaling"])  # [1, H, T, hd]
+    return layer_output(target, w, x, o, linear)
 
 
 def _run_layers(target: HFTarget, x: torch.Tensor, start: int, end: int, r: PassRows, cache: KVCache | None,
@@ -429,6 +478,11 @@ def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask
     req = request if request is not None else PassRequest()
     target._decoder()
     x = target.embed(input_ids) if req.input_embeds is None else req.input_embeds.to(target.dtype)  # [B, T, d]
+    if target._compiled is not None:
+        out = _compiled_forward(target, x, position_ids, cache, attn_mask, req, write_cache)
+        if out is not None:
+            return out
+        target._compiled.stats.eager_passes += 1
     r = _prepare(target, x, position_ids, cache, attn_mask, None, write_cache, req)
     if req.attn_mass_rows:
         if int(req.attn_mass_rows) < 0:
@@ -447,3 +501,20 @@ def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask
         hidden = last[:, rows] if last is not None else target.final_norm(x[:, rows])  # [B, R, d]
     mass = torch.stack(r.masses) if r.mass_rows else None  # [L, B, Hkv, S]
     return TargetOutput(logits=target.lm_head(hidden, norm=False), aux_hidden=aux, last_hidden=last, attn_mass=mass)
+
+
+def _compiled_forward(target: HFTarget, x: torch.Tensor, position_ids, cache, attn_mask, req: PassRequest,
+                      write_cache: bool) -> TargetOutput | None:
+    """The pass through ``targets/compiled.py``'s graphs, or None when they do not cover it (eager then)."""
+    if not write_cache or req.pinned is not None or req.attn_mass_rows:
+        return None
+    taps = target.check_layer_ids(req.aux_layer_ids(target.aux_layer_ids))
+    got = target._compiled.try_forward(x, position_ids, cache, attn_mask, taps,
+                                       target.layer_convention is LayerConvention.INPUT_TO, req.last_hidden)
+    if got is None:
+        return None
+    logits, captured, last = got  # [1, T, V], {layer: [1, T, d]}, [1, T, d] | None
+    aux = torch.cat([captured[i] for i in taps], dim=-1) if taps else None  # [1, T, n_taps * d]
+    if req.logits_rows is not None:
+        logits = logits[:, req.logits_rows]  # [1, R, V]
+    return TargetOutput(logits=logits, aux_hidden=aux, last_hidden=last)
