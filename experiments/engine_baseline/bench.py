@@ -14,7 +14,10 @@
     (log-probs over the whole target vocabulary, ``Eagle3Drafter(full_vocab=True)``) and the draft-vocabulary
     path in fp32, with a bf16 LM head and all bf16, side by side; then end-to-end decoding with each
     (identical outputs required)
-    -> eagle3_draft_cost.json.
+    -> eagle3_draft_cost.json;
+(f) the compiled engine (``engine.compile=on``): AR tok/s eager vs compiled vs HF ``generate`` in fp32 and bf16
+    (compiled == eager tokens counted), compile time and graphs, and the verify-pass curve of both engines
+    -> compiled_engine.json.
 Each row interleaves the systems prompt by prompt, so machine noise hits both alike.
 """
 
@@ -34,6 +37,7 @@ from draftlab.decoding.tree import DraftTree, ancestor_mask
 from draftlab.methods.prompt_lookup import PromptLookupDrafter
 from draftlab.targets import load_target
 from draftlab.targets.base import PassRequest
+from draftlab.targets.row_kernels import cpu_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -423,6 +427,59 @@ def part_e(target, prompts, n, vocab_sizes=(32000,), tree=(3, 3, 6), accepted=2,
     return report
 
 
+def part_f(prompts, n, dtypes, rows=(1, 2, 4, 8, 16, 32, 64), reps=5):
+    """The compiled engine (``engine.compile=on``, targets/compiled.py) beside the eager one and HF ``generate``:
+    AR tok/s per dtype (the three interleaved prompt by prompt), whether compiled AR emits eager AR's tokens,
+    and the verify-pass curve of both (k rows / one row of the same engine, passes alternating)."""
+    from draftlab.decoding.cost import time_interleaved, verify_passes
+
+    out = []
+    cfg = GenerationConfig(max_new_tokens=n, stop_on_eos=False)
+    for dt in dtypes:
+        eager = load_target("asset:smollm2-135m-instruct", dtype=dt, compile="off")
+        comp = load_target("asset:smollm2-135m-instruct", dtype=dt, compile="on")
+        t0 = time.perf_counter()
+        autoregressive_generate(comp, prompts[0], GenerationConfig(max_new_tokens=4))  # compiles the 1-row graphs
+        passes_e, passes_c = verify_passes(eager, rows, context=128), verify_passes(comp, rows, context=128)
+        with torch.no_grad():  # as the engine runs (inference mode would be a second set of graphs)
+            for call in passes_c:  # compiles the verify buckets
+                call()
+        compile_s = time.perf_counter() - t0
+        autoregressive_generate(eager, prompts[0], GenerationConfig(max_new_tokens=4))
+        hf_generate(eager, prompts[0], 4)
+        speeds = {"eager": [], "compiled": [], "hf": []}
+        same = 0
+        for p in prompts:
+            t0 = time.perf_counter()
+            a, _ = autoregressive_generate(eager, p, cfg)
+            t1 = time.perf_counter()
+            c, _ = autoregressive_generate(comp, p, cfg)
+            t2 = time.perf_counter()
+            h = hf_generate(eager, p, n)
+            t3 = time.perf_counter()
+            speeds["eager"].append(len(a) / (t1 - t0))
+            speeds["compiled"].append(len(c) / (t2 - t1))
+            speeds["hf"].append(len(h) / (t3 - t2))
+            same += a == c
+        tok_s = {k: statistics.mean(v) for k, v in speeds.items()}
+        times = time_interleaved(passes_e + passes_c, reps)
+        k = len(rows)
+        curve = {str(r): {"eager_ms": 1e3 * times[i], "compiled_ms": 1e3 * times[k + i],
+                          "eager_ar_steps": times[i] / times[0], "compiled_ar_steps": times[k + i] / times[k]}
+                 for i, r in enumerate(rows)}
+        stats = comp.compile_stats()
+        print(f"(f) {dt:5s} AR tok/s: eager {tok_s['eager']:.1f} | compiled {tok_s['compiled']:.1f} | HF generate "
+              f"{tok_s['hf']:.1f} | compiled/eager {tok_s['compiled'] / tok_s['eager']:.2f}x, compiled/HF "
+              f"{tok_s['compiled'] / tok_s['hf']:.2f}x | compiled == eager {same}/{len(prompts)} | compiling "
+              f"{compile_s:.1f} s ({stats['graphs']} graphs, {stats['recompiles']} recompiles)")
+        print("(f) " + dt + " verify pass / one-row pass: " + ", ".join(
+            f"{r}: {v['eager_ar_steps']:.2f} -> {v['compiled_ar_steps']:.2f}" for r, v in curve.items()))
+        out.append({"dtype": dt, "tok_s": tok_s, "compiled_equals_eager": same, "prompts": len(prompts),
+                    "compile_seconds": compile_s, "compile_stats": stats, "verify_curve": curve,
+                    "cpu": cpu_name(), "bf16_cpu": "avx512_bf16" in Path("/proc/cpuinfo").read_text()})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=6)
@@ -463,6 +520,10 @@ def main() -> None:
         report["d"] = part_d(target, mixed[:2], min(args.new_tokens, 32))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "confu_verify_cost.json").write_text(json.dumps(report["d"], indent=2))
+    if "f" in args.parts:
+        report["f"] = part_f(mixed, args.new_tokens, [{"fp32": "float32", "bf16": "bfloat16"}[d] for d in args.dtypes])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "compiled_engine.json").write_text(json.dumps(report["f"], indent=2))
     if "e" in args.parts:
         report["e"] = part_e(target, mixed[:2], min(args.new_tokens, 48), vocab_sizes=args.e_vocab, reps=args.e_reps,
                              baseline_src=args.e_baseline_src)

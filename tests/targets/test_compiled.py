@@ -15,8 +15,14 @@ from draftlab.decoding.cache import PinnedKV
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
 from draftlab.decoding.tree import DraftTree, ancestor_mask
 from draftlab.targets.base import PassRequest
-from draftlab.targets.compiled import AUTO_MIN_WEIGHT_BYTES, ROW_BUCKETS, bucket, resolve_mode, row_product
-from draftlab.targets.compiled import weight_major_product
+from draftlab.targets.compiled import (
+    AUTO_MIN_WEIGHT_BYTES,
+    ROW_BUCKETS,
+    bucket,
+    resolve_mode,
+    row_product,
+    weight_major_product,
+)
 
 pytestmark = pytest.mark.xdist_group("compiled-tiny")
 
@@ -116,8 +122,9 @@ def test_the_products_are_linear():
 
 
 def test_auto_leaves_the_test_target_eager_and_config_reaches_the_target():
-    from draftlab.configs import compose_train_config
     from hydra.utils import instantiate
+
+    from draftlab.configs import compose_train_config
 
     cfg = compose_train_config(["target=tiny_random"])
     assert cfg.engine.compile == "auto" and cfg.target.compile == "auto"

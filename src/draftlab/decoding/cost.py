@@ -97,7 +97,7 @@ def verify_passes(target, rows: tuple[int, ...], *, context: int = 128) -> list:
     vocab, dev = target.geometry.vocab_size, target.device
     prompt = (torch.arange(context, device=dev) * 7919 % max(vocab - 1, 1) + 1)[None]  # [1, context] arbitrary
     cache = target.new_cache(1, context + max(rows) + 1)
-    with torch.inference_mode():
+    with torch.no_grad():  # as the engine runs: inference mode would make a compiled target guard apart
         target.forward(prompt, cache=cache)
     cache.commit(context)
     calls = []
@@ -124,7 +124,7 @@ def time_interleaved(calls: list, reps: int, device: torch.device | str | None =
     speed spreads over all of them rather than tilting the comparison); one warm-up round first. ``device``:
     where the calls run, synchronised before each timer starts and before it is read."""
     times = [[] for _ in calls]
-    with torch.inference_mode():
+    with torch.no_grad():  # as the engine runs: inference mode would make a compiled target guard apart
         for call in calls:
             call()
         for _ in range(reps):
