@@ -57,7 +57,7 @@ def test_gpu_check_first_call_runs_the_kernel_parts_on_cpu(tmp_path, shared_data
 
 
 def test_gpu_check_second_call_runs_the_rest_on_cpu(tmp_path, shared_data):
-    results = _check(tmp_path, shared_data, ",".join(p for p in _script().GROUPS["rest"] if p != "train"))
+    results = _check(tmp_path, shared_data, ",".join(p for p in _script().GROUPS["rest"] if p not in ("train", "engine")))
     status = {name: r["status"] for name, r in results.items()}
     # Only the part that needs CUDA itself is skipped on a CPU; every other part ran and passed.
     assert status == {"lossless": "passed", "bf16_greedy": "passed", "llama8b": "passed", "conformance": "passed",
@@ -74,10 +74,22 @@ def test_gpu_check_train_part_on_cpu(tmp_path, shared_data):
     assert results["train"]["online"]["draft_sha256"] != results["train"]["offline"]["draft_sha256"]
 
 
+def test_gpu_check_engine_part_on_cpu(tmp_path, shared_data):
+    """The second call's ``engine`` part on its own (it compiles), so CI's workers share the call."""
+    results = _check(tmp_path, shared_data, "engine")
+    engine = results["engine"]
+    assert engine["status"] == "passed", engine
+    assert engine["fp32_compiled_equals_eager"] is True
+    assert engine["compiled_ar_tok_s"] > 0 and engine["bandwidth_bound_tok_s"] > 0
+    assert engine["compile"]["compiled"] and engine["compile"]["recompiles"] == 0, engine["compile"]
+    assert set(engine["fraction_of_bound"]) == {"eager", "compiled", "hf_generate"}
+
+
 def test_the_two_calls_cover_every_part_in_priority_order():
     groups = _script().GROUPS
     assert groups["first"] == ["env", "kernel_tests", "ttt_right", "ttt_fast", "soft_ce", "ttt_step"]
-    assert set(groups["rest"]) == {"lossless", "bf16_greedy", "llama8b", "train", "conformance", "pytest_gpu"}
+    assert set(groups["rest"]) == {"lossless", "bf16_greedy", "llama8b", "engine", "train", "conformance",
+                                   "pytest_gpu"}
     assert groups["all"] == groups["first"] + groups["rest"]
 
 

@@ -17,7 +17,7 @@ Each part runs on its own, so one failure does not hide the others, and writes i
   soft_ce        the soft cross-entropy right (thresholds) and fast
   ttt_step       a whole TTT-7 step of a Llama-3-8B-shaped draft under bf16 autocast, per attention choice
   second call (``--parts rest``)
-  lossless, bf16_greedy, llama8b, train, conformance, pytest_gpu   (parts.py)
+  lossless, bf16_greedy, llama8b, engine, train, conformance, pytest_gpu   (parts.py)
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ How the passes are compiled, gpt-fast style:
   than the last bucket, gradients) and the layer-range passes of self-speculative drafters. Every eager
   path is unchanged; the record counts how many passes took each road.
 
-The layer's math is ``hf.layer_projections`` / ``hf.layer_output``, the functions the eager forward runs;
+The layer's math is ``hf.layer_projections`` / ``hf.layer_output``, the functions the eager forward runs
+(``static_layer``);
 only the product, the cache writes and the mask plumbing differ. In fp32 a compiled pass sums in a
 different order than the eager one (logits agree to ~1e-5), as a verify pass of T rows already does
 against an AR step: the engine's guarantee is unchanged (what it emits is what its passes' argmax or
@@ -99,6 +100,23 @@ def weight_major_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def static_layer(target, w: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                 slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, linear) -> torch.Tensor:
+    """One decoder layer as it is compiled (one graph serves every layer: the weights ``w`` are inputs): rows
+    ``x [1, T, d]`` write K/V at cache ``slots [T]`` in place into this layer's ``kc/vc [1, Hkv, S_max, hd]``
+    and attend to slots ``[0, S)`` under ``mask [1, 1, T, S]`` -> [1, T, d]. The norms, projections, RoPE and
+    MLP are the eager forward's own functions (``hf.layer_projections`` / ``hf.layer_output``)."""
+    from draftlab.targets.attention import grouped_attention
+    from draftlab.targets.hf import layer_output, layer_projections
+
+    q, k, v = layer_projections(target, w, x, cos, sin, linear)
+    kc.index_copy_(2, slots, k)
+    vc.index_copy_(2, slots, v)
+    S = mask.shape[-1]
+    o = grouped_attention(q, kc[:, :, :S], vc[:, :, :S], mask, w["scaling"])  # [1, H, T, hd]
+    return layer_output(target, w, x, o, linear)
+
+
 def _own_code(fn, name: str):
     """``fn`` with a code object of its own: dynamo keeps compiled graphs, and counts its recompile limit, per
     code object, so the functions of different buckets (one closure in the source) must not share one."""
@@ -161,8 +179,6 @@ class CompiledPasses:
 
     def layer_fn(self, rows: int):
         if rows not in self._layer:
-            from draftlab.targets.hf import static_layer
-
             target, product = self.target, self._product(rows)
 
             def layer(w, x, cos, sin, mask, slots, kc, vc):
@@ -183,6 +199,25 @@ class CompiledPasses:
             self._head[rows] = torch.compile(_own_code(head, f"head_rows{rows}"),
                                              backend=self._backend(f"head/rows={rows}"), dynamic=False)
         return self._head[rows]
+
+    def forward(self, x: torch.Tensor, position_ids, cache, attn_mask, req, write_cache: bool):
+        """``HFTarget.forward``'s pass of rows ``x [B, T, d]`` through the graphs: a ``TargetOutput``, or None
+        (counted as an eager pass) when the graphs do not cover it."""
+        from draftlab.targets.base import LayerConvention, TargetOutput
+
+        got = None
+        if write_cache and req.pinned is None and not req.attn_mass_rows:
+            taps = self.target.check_layer_ids(req.aux_layer_ids(self.target.aux_layer_ids))
+            got = self.try_forward(x, position_ids, cache, attn_mask, taps,
+                                   self.target.layer_convention is LayerConvention.INPUT_TO, req.last_hidden)
+        if got is None:
+            self.stats.eager_passes += 1
+            return None
+        logits, captured, last = got  # [1, T, V], {layer: [1, T, d]}, [1, T, d] | None
+        aux = torch.cat([captured[i] for i in taps], dim=-1) if taps else None  # [1, T, n_taps * d]
+        if req.logits_rows is not None:
+            logits = logits[:, req.logits_rows]  # [1, R, V]
+        return TargetOutput(logits=logits, aux_hidden=aux, last_hidden=last)
 
     def try_forward(self, x: torch.Tensor, position_ids, cache, attn_mask, taps: list[int], capture_in: bool,
                     want_last: bool):

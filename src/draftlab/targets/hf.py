@@ -142,6 +142,15 @@ class HFTarget:
                              supported=fusable and self._probe.weight.device.type != "meta")
         self._compiled = CompiledPasses(self) if on else None
 
+    def set_compile(self, mode: str) -> HFTarget:
+        """Switch the compiled passes ``off`` / ``auto`` / ``on`` in place (the weights stay as they are): for
+        measuring both engines on one loaded model. Returns ``self``."""
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+        self.compile_mode = mode
+        self._refresh()
+        return self
+
     @property
     def compiled(self) -> bool:
         """Whether decode and verify passes run through the compiled graphs (``compile`` resolved)."""
@@ -441,19 +450,6 @@ def layer_output(target: HFTarget, w: dict, x: torch.Tensor, o: torch.Tensor, li
     return x + linear(w["act"](gate) * up, w["wd"])
 
 
-def static_layer(target: HFTarget, w: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 mask: torch.Tensor, slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, linear) -> torch.Tensor:
-    """One decoder layer as ``targets/compiled.py`` compiles it (one graph serves every layer: the weights
-    ``w`` are inputs): rows ``x [1, T, d]`` write K/V at cache ``slots [T]`` in place into this layer's
-    ``kc/vc [1, Hkv, S_max, hd]`` and attend to slots ``[0, S)`` under ``mask [1, 1, T, S]`` -> [1, T, d]."""
-    q, k, v = layer_projections(target, w, x, cos, sin, linear)
-    kc.index_copy_(2, slots, k)
-    vc.index_copy_(2, slots, v)
-    S = mask.shape[-1]
-    o = grouped_attention(q, kc[:, :, :S], vc[:, :, :S], mask, w["scaling"])  # [1, H, T, hd]
-    return layer_output(target, w, x, o, linear)
-
-
 def _run_layers(target: HFTarget, x: torch.Tensor, start: int, end: int, r: PassRows, cache: KVCache | None,
                 view: SparseView | None, taps) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Layers [start, end) on ``x [B, T, d]``; captures the hidden states ``taps`` name (layer convention)."""
@@ -479,10 +475,9 @@ def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask
     target._decoder()
     x = target.embed(input_ids) if req.input_embeds is None else req.input_embeds.to(target.dtype)  # [B, T, d]
     if target._compiled is not None:
-        out = _compiled_forward(target, x, position_ids, cache, attn_mask, req, write_cache)
+        out = target._compiled.forward(x, position_ids, cache, attn_mask, req, write_cache)
         if out is not None:
             return out
-        target._compiled.stats.eager_passes += 1
     r = _prepare(target, x, position_ids, cache, attn_mask, None, write_cache, req)
     if req.attn_mass_rows:
         if int(req.attn_mass_rows) < 0:
@@ -501,20 +496,3 @@ def _decoder_forward(target: HFTarget, input_ids, position_ids, cache, attn_mask
         hidden = last[:, rows] if last is not None else target.final_norm(x[:, rows])  # [B, R, d]
     mass = torch.stack(r.masses) if r.mass_rows else None  # [L, B, Hkv, S]
     return TargetOutput(logits=target.lm_head(hidden, norm=False), aux_hidden=aux, last_hidden=last, attn_mass=mass)
-
-
-def _compiled_forward(target: HFTarget, x: torch.Tensor, position_ids, cache, attn_mask, req: PassRequest,
-                      write_cache: bool) -> TargetOutput | None:
-    """The pass through ``targets/compiled.py``'s graphs, or None when they do not cover it (eager then)."""
-    if not write_cache or req.pinned is not None or req.attn_mass_rows:
-        return None
-    taps = target.check_layer_ids(req.aux_layer_ids(target.aux_layer_ids))
-    got = target._compiled.try_forward(x, position_ids, cache, attn_mask, taps,
-                                       target.layer_convention is LayerConvention.INPUT_TO, req.last_hidden)
-    if got is None:
-        return None
-    logits, captured, last = got  # [1, T, V], {layer: [1, T, d]}, [1, T, d] | None
-    aux = torch.cat([captured[i] for i in taps], dim=-1) if taps else None  # [1, T, n_taps * d]
-    if req.logits_rows is not None:
-        logits = logits[:, req.logits_rows]  # [1, R, V]
-    return TargetOutput(logits=logits, aux_hidden=aux, last_hidden=last)
