@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from draftlab.targets.row_kernels import weight_major
 from draftlab.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -94,7 +95,7 @@ def row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def weight_major_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., in] @ weight.T`` as ``(weight @ x.T).T``: the GEMM with the weight as its tall left operand,
     MKL's fast orientation for a few rows. [..., out]."""
-    y = torch.mm(weight, x.reshape(-1, x.shape[-1]).T).T  # [R, out]
+    y = weight_major(x.reshape(-1, x.shape[-1]), weight)  # [R, out]
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
