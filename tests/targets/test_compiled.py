@@ -23,6 +23,8 @@ from draftlab.targets.compiled import (
     row_product,
     weight_major_product,
 )
+from draftlab.targets.packed_linear import available as packed_available
+from draftlab.targets.packed_linear import packed_linear
 
 pytestmark = pytest.mark.xdist_group("compiled-tiny")
 
@@ -119,6 +121,43 @@ def test_the_products_are_linear():
     ref = torch.nn.functional.linear(x, w, b)
     torch.testing.assert_close(row_product(x, w, b), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weight_major_product(x, w, b), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not packed_available(torch.bfloat16), reason="oneDNN bf16 linear needs AVX512-BF16/AMX")
+def test_the_packed_product_is_linear_and_follows_in_place_writes():
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x, w, b = torch.randn(1, 5, 64, dtype=dtype), torch.randn(48, 64, dtype=dtype), torch.randn(48, dtype=dtype)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(packed_linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=tol, atol=tol)
+        w.mul_(-2)  # the reordered copy is stale now: the product must follow the weight, not the copy
+        torch.testing.assert_close(packed_linear(x, w), torch.nn.functional.linear(x, w), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not packed_available(torch.bfloat16), reason="oneDNN bf16 linear needs AVX512-BF16/AMX")
+def test_a_bf16_compiled_verify_pass_is_as_close_to_fp32_as_the_eager_one():
+    """bf16 passes of 2+ rows go through oneDNN's reordered weights (``packed_linear``), another summation order
+    than the eager pass: measured against the fp32 pass, the compiled bf16 logits must be as close as the eager
+    bf16 ones (the same rounding, not more) and pick the fp32 argmax wherever it is clear."""
+    from draftlab.targets import load_target
+
+    k, tree = 6, _tree(6)  # bucket 8: one graph compiles
+    logits = {}
+    for dtype, mode in (("float32", "off"), ("bfloat16", "off"), ("bfloat16", "on")):
+        target = load_target("tiny_random", dtype=dtype, compile=mode)
+        cache = _context(target)
+        mask = torch.cat([torch.ones(k, cache.length, dtype=torch.bool), ancestor_mask(tree.parents)], 1)
+        with torch.no_grad():
+            logits[dtype, mode] = target.forward(tree.tokens[None], cache.length + tree.depth, cache,
+                                                 mask).logits.float()
+    assert target.compile_stats()["compiled_passes"] == 1
+    ref = logits["float32", "off"]
+    err = {m: (logits["bfloat16", m] - ref).abs() for m in ("off", "on")}
+    assert err["on"].mean() <= 1.25 * err["off"].mean() and err["on"].max() <= 1.5 * err["off"].max()
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * err["off"].amax(-1)  # rows bf16 rounding cannot flip
+    assert clear.any()
+    assert torch.equal(logits["bfloat16", "on"].argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 def test_auto_leaves_the_test_target_eager_and_config_reaches_the_target():

@@ -6,7 +6,9 @@ SmolLM2's 0.54 GB of fp32 weights at ~11 GB/s for one row and slower for two, wh
 compiled pass states it as one: ``(W[:, None, :] * x[None]).sum(-1)`` (``row_product``), which inductor
 turns into a vectorised loop over W's rows that reads each row once for all the pass's rows (all 30
 layers' products: 1 row 16 ms, 8 rows 29 ms, against 45 ms and 58 ms for ``F.linear``, measured in
-experiments/engine_baseline part f). On a GPU the same compile fuses the pass's many small kernels.
+experiments/engine_baseline part f). Passes of several rows in bf16 call oneDNN's GEMM on weights reordered
+once into its blocked layout (``targets/packed_linear.py``), flat from 1 to 8 rows where the CPU has bf16
+instructions. On a GPU the same compile fuses the pass's many small kernels.
 
 How the passes are compiled, gpt-fast style:
 
@@ -44,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from draftlab.targets.packed_linear import available as packed_available
+from draftlab.targets.packed_linear import packed_linear
 from draftlab.targets.row_kernels import weight_major
 from draftlab.utils.logging import get_logger
 
@@ -56,7 +60,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PAD_SLOTS = ROW_BUCKETS[-1] - ROW_BUCKETS[-2] + 1
 # CPU products by rows (experiments/engine_baseline part f): one row as a reduction inductor vectorises over
 # the weights (a fused multi-row reduction is mis-tiled by inductor: it parallelises the norm's reduction
-# instead of the weights' rows), a few rows as the weight-major GEMM, many as a plain GEMM.
+# instead of the weights' rows); more rows in bf16 where oneDNN has bf16 kernels (AVX512-BF16 / AMX) through
+# its reordered weights (``packed_linear``: a pass of 2-8 rows reads the weights about once), otherwise a few
+# rows as the weight-major GEMM and many as a plain GEMM (in fp32 the reordered weights were slower than both).
 ROW_PRODUCT_MAX_ROWS = 1
 WEIGHT_MAJOR_MAX_ROWS = 32
 # ``auto`` compiles targets at least this large (bytes of weights): below it (the 2-layer test target) a step
@@ -176,6 +182,8 @@ class CompiledPasses:
             return F.linear
         if rows <= ROW_PRODUCT_MAX_ROWS:
             return row_product
+        if self.target.dtype == torch.bfloat16 and packed_available(torch.bfloat16):
+            return packed_linear
         return weight_major_product if rows <= WEIGHT_MAJOR_MAX_ROWS else F.linear
 
     def layer_fn(self, rows: int):
