@@ -34,6 +34,16 @@ def test_truncated_model_is_the_targets_first_layers(tiny_target):
         truncated_model(tiny_target, 3)
 
 
+@pytest.mark.xdist_group("compiled-tiny")  # the worker that already compiled the tiny target's graphs
+def test_the_draft_model_of_a_compiled_target_drafts_through_compiled_passes(tiny_target, compiled_tiny_target):
+    draft = truncated_model(compiled_tiny_target, 1)
+    assert draft.compiled and not truncated_model(tiny_target, 1).compiled
+    eager = DraftLM(truncated_model(tiny_target, 1)).chain(UNSEEN_PROMPT[:10], 4, Sampling(0.0))
+    assert DraftLM(draft).chain(UNSEEN_PROMPT[:10], 4, Sampling(0.0)).tokens == eager.tokens
+    stats = draft.compile_stats()
+    assert stats["compiled_passes"] >= 3 and stats["recompiles"] == 0, stats  # the chain's steps after the prefill
+
+
 def test_draft_cache_follows_the_sequence(tiny_target):
     """Chains drafted by one DraftLM over changing contexts (kept chain rows, rollbacks, a different sequence)
     equal those of a fresh DraftLM for each context: the cache holds exactly the committed context."""

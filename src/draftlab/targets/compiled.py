@@ -233,32 +233,74 @@ class CompiledPasses:
         """The pass of rows ``x [1, T, d]`` compiled, or None when it is not one the graphs cover.
 
         Returns (logits [1, T, V], {layer: hidden [1, T, d]} for ``taps``, last [1, T, d] or None)."""
+        T = x.shape[1]
+        got = self.run_layers(x, position_ids, cache, attn_mask, None, taps, capture_in)
+        if got is None:
+            return None
+        x, captured = got
+        logits, last = self.head_fn(x.shape[1])(x)
+        self.stats.compiled_passes += 1
+        return logits[:, :T], captured, last[:, :T] if want_last else None
+
+    def layers_pass(self, x: torch.Tensor, position_ids, cache, attn_mask, slots, taps: list[int]):
+        """``HFTarget.forward_layers`` over all layers, compiled: a ``LayerOutput``, or None (counted as an eager
+        pass) when the graphs do not cover it."""
+        from draftlab.targets.base import LayerConvention, LayerOutput
+
+        got = self.run_layers(x, position_ids, cache, attn_mask, slots, taps,
+                              self.target.layer_convention is LayerConvention.INPUT_TO)
+        if got is None:
+            self.stats.eager_passes += 1
+            return None
+        self.stats.compiled_passes += 1
+        h, captured = got
+        aux = torch.cat([captured[i] for i in taps], dim=-1) if taps else None  # [1, T, n_taps * d]
+        return LayerOutput(hidden=h[:, :x.shape[1]], aux=aux)
+
+    def run_layers(self, x: torch.Tensor, position_ids, cache, attn_mask, slots, taps: list[int],
+                   capture_in: bool):
+        """Every decoder layer on rows ``x [1, T, d]`` through the bucket's graph: (x [1, rows, d] with the pad
+        rows at the end, {layer: hidden [1, T, d]} for ``taps``), or None when the pass is not one it covers.
+
+        ``slots``: None (the rows go to ``cache.length + arange(T)``, pad rows to the scratch after them), or
+        the rows' explicit cache slots with the mask over ``[0, S)`` they need; then only passes of exactly a
+        bucket's rows compile (a pad row has no scratch slot the caller is known not to use)."""
         B, T, _ = x.shape
         rows = bucket(T)
         if B != 1 or rows is None or cache is None or cache.ragged or torch.is_grad_enabled():
             return None
         past = cache.length
-        # past == 0: a prefill (fused SDPA and GEMMs, eager). A pass must leave a slot free after it: a first
-        # compile that sees S == S_max would specialise on the cache ending where the pass does.
-        if past == 0 or past + rows >= cache.max_length:
-            return None
         dev = x.device
-        if position_ids is None:
-            position_ids = torch.arange(past, past + T, device=dev)
-        position_ids = position_ids.reshape(-1)
-        if position_ids.numel() != T:
-            return None  # per-sequence positions of a batch: eager
         if attn_mask is not None and attn_mask.dim() == 3:
             if attn_mask.shape[0] != 1:
                 return None
             attn_mask = attn_mask[0]
-        S = past + rows
+        if slots is None:
+            # past == 0: a prefill (fused SDPA and GEMMs, eager).
+            if past == 0:
+                return None
+            slots = torch.arange(past, past + rows, device=dev)
+            S_real = past + T
+            if attn_mask is None:
+                attn_mask = torch.ones(T, S_real, dtype=torch.bool, device=dev).tril(past)
+        else:
+            if attn_mask is None or rows != T:
+                return None
+            slots = torch.as_tensor(slots, device=dev).reshape(-1)
+            S_real = attn_mask.shape[-1]
+        # The graphs' attention width S (the mask's) must leave a slot free after it: a first compile that sees
+        # S == S_max would specialise on the cache ending where the pass does.
+        S = S_real + rows - T
+        if S >= cache.max_length:
+            return None
+        if position_ids is None:
+            position_ids = slots[:T]
+        position_ids = position_ids.reshape(-1)
+        if position_ids.numel() != T:
+            return None  # per-sequence positions of a batch: eager
         # [rows, S]: the real rows' mask in the top-left corner; pad rows see slot 0 only.
         mask = torch.zeros(rows, S, dtype=torch.bool, device=dev)
-        if attn_mask is None:
-            mask[:T, :past + T] = torch.ones(T, past + T, dtype=torch.bool, device=dev).tril(past)
-        else:
-            mask[:T, :past + T] = attn_mask
+        mask[:T, :S_real] = attn_mask
         mask[T:, 0] = True
         mask = mask.view(1, 1, rows, S)
         torch._dynamo.mark_dynamic(mask, 3)
@@ -267,7 +309,6 @@ class CompiledPasses:
         cos, sin = cos_t[pos][None, None], sin_t[pos][None, None]  # [1, 1, rows, hd]
         if rows > T:
             x = F.pad(x, (0, 0, 0, rows - T))  # [1, rows, d]
-        slots = torch.arange(past, past + rows, device=dev)
         layer, captured = self.layer_fn(rows), {}
         for li, w in enumerate(self.target._layers):
             if capture_in and li in taps:
@@ -278,6 +319,4 @@ class CompiledPasses:
             x = layer(w, x, cos, sin, mask, slots, kc, vc)
             if not capture_in and li in taps:
                 captured[li] = x[:, :T]
-        logits, last = self.head_fn(rows)(x)
-        self.stats.compiled_passes += 1
-        return logits[:, :T], captured, last[:, :T] if want_last else None
+        return x, captured

@@ -10,9 +10,8 @@ architectures load but raise a clear error when this forward is asked of them.
 
 The decoder layer is stated once (``_decoder_layer``). ``forward`` is embed -> layers [0, L) -> norm / LM
 head; ``forward_layers`` runs any range [a, b) with K/V at explicit cache slots and an optional sparse read
-view, for self-speculative drafters that run the target's own layers. The attention of a layer (grouped
-kernels, masks, pinned rows, sparse views, attention mass) is in ``targets/attention.py``; this module picks
-between those kernels and fused SDPA (``_GROUPED_ATTENTION_MAX_ROWS``).
+view, for self-speculative drafters that run the target's own layers. A layer's attention (grouped kernels,
+masks, pinned rows, sparse views, attention mass) is in ``targets/attention.py``; compiled passes in ``compiled.py``.
 """
 
 from __future__ import annotations
@@ -362,6 +361,9 @@ class HFTarget:
         if outside:
             raise ValueError(f"aux layer ids {outside} are not computed by layers [{start}, {end})")
         x = hidden.to(self.dtype)  # [B, T, d]
+        if self._compiled is not None and (start, end) == (0, L) and view is None:  # a draft model's pass
+            if (out := self._compiled.layers_pass(x, position_ids, cache, attn_mask, slots, taps)) is not None:
+                return out
         r = _prepare(self, x, position_ids, cache, attn_mask, slots, True)
         x, captured = _run_layers(self, x, start, end, r, cache, view, taps)
         aux = torch.cat([captured[i] for i in taps], dim=-1) if taps else None  # [B, T, n * d]

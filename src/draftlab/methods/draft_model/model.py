@@ -37,7 +37,8 @@ def truncated_model(target: HFTarget, layers: int) -> HFTarget:
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise NotImplementedError(f"cannot truncate a '{cfg.model_type}' model: {left[:3]} have no target weights")
-    return HFTarget(model, target.tokenizer, name=f"{target.name}[:{layers}]", row_kernels="gemm")
+    return HFTarget(model, target.tokenizer, name=f"{target.name}[:{layers}]", row_kernels="gemm",
+                    compile=getattr(target, "compile_mode", "off"))
 
 
 def check_same_tokenizer(draft: HFTarget, target: HFTarget, source: str) -> None:
@@ -56,7 +57,9 @@ def check_same_tokenizer(draft: HFTarget, target: HFTarget, source: str) -> None
 
 def load_draft_model(source: str, target: HFTarget, layers: int | None) -> HFTarget:
     """``source == 'truncate'``: the target's first ``layers`` layers. Otherwise a causal LM (local directory,
-    hub id, ``asset:<name>``), in the target's dtype and on its device, checked against its tokenizer."""
+    hub id, ``asset:<name>``), in the target's dtype and on its device, checked against its tokenizer. Either
+    way the draft's passes take the target's ``compile`` setting (targets/compiled.py): the draft/verify cost
+    ratio is then the compiled engine's on both sides."""
     if source == "truncate":
         if layers is None:
             raise ValueError("source 'truncate' needs drafter.layers (how many of the target's layers draft)")
@@ -64,7 +67,7 @@ def load_draft_model(source: str, target: HFTarget, layers: int | None) -> HFTar
     from draftlab.targets import load_target
 
     dtype = str(target.dtype).removeprefix("torch.")
-    draft = load_target(source, dtype=dtype, device=str(target.device))
+    draft = load_target(source, dtype=dtype, device=str(target.device), compile=getattr(target, "compile_mode", "off"))
     check_same_tokenizer(draft, target, source)
     if layers is not None:
         draft = truncated_model(draft, int(layers))
