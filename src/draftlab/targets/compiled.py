@@ -22,7 +22,8 @@ How the passes are compiled, gpt-fast style:
   one graph serves every step of every sequence.
 - **what stays eager**: prefill (the pass into an empty cache, usually long: where fused SDPA and GEMM are the right kernels), passes the
   graphs do not cover (pinned rows, attention mass, explicit slots, ragged caches, batches > 1, more rows
-  than the last bucket, gradients) and the layer-range passes of self-speculative drafters. Every eager
+  than the last bucket, gradients) and the layer-range passes of self-speculative drafters. A draft model's
+  passes over all layers (``forward_layers(0, L)``, explicit slots) compile when their rows fill a bucket. Every eager
   path is unchanged; the record counts how many passes took each road.
 
 The layer's math is ``hf.layer_projections`` / ``hf.layer_output``, the functions the eager forward runs
