@@ -37,7 +37,7 @@ def _flag(par: dict[str, Any]) -> str:
 
 def served_rows(records: Sequence[Record], precision: int = 2) -> list[list[str]]:
     """The table's rows (records without a served evaluation are left out)."""
-    from analysis.table import setting_text
+    from analysis.table_keys import setting_text
 
     p = f".{precision}f"
     rows = []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.decoding.cache import KVCache
 from draftlab.targets.base import Geometry, TargetOutput
+from draftlab.targets.cache import KVCache
 
 
 class TableTarget:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from draftlab.training import precision as P
+from draftlab.utils import precision as P
 
 AVX2 = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n"
 AMX = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"

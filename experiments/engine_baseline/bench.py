@@ -452,7 +452,8 @@ def part_f(prompts, n, dtypes, rows=(1, 2, 4, 8, 16, 32, 64), reps=5, vllm_pytho
     """The compiled engine (``engine.compile=on``, targets/compiled.py) beside the eager one and HF ``generate``:
     AR tok/s per dtype (the three interleaved prompt by prompt), whether compiled AR emits eager AR's tokens,
     and the verify-pass curve of both (k rows / one row of the same engine, passes alternating)."""
-    from draftlab.decoding.cost import time_interleaved, verify_passes
+    from draftlab.decoding.cost import time_interleaved
+    from draftlab.targets.probe import verify_passes
 
     out = []
     cfg = GenerationConfig(max_new_tokens=n, stop_on_eos=False)

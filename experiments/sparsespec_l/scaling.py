@@ -20,11 +20,11 @@ import torch
 from tqdm import tqdm
 
 from analysis.markdown import markdown_table
-from draftlab.decoding.cache import SparseView
 from draftlab.decoding.tree import DraftTree, ancestor_mask
 from draftlab.methods.sparsespec_l.selection import budget_slots, select_slots
 from draftlab.targets import load_target
 from draftlab.targets.base import PassRequest
+from draftlab.targets.cache import SparseView
 from draftlab.utils.atomic import atomic_write_text
 
 DOCS = Path(__file__).resolve().parents[2].parent / "shared/data/long_context/leval_16k40k.jsonl"

@@ -27,7 +27,7 @@ import numpy as np
 from analysis.markdown import markdown_table
 from analysis.results import eval_answer_files
 from draftlab.eval.uncertainty import speedup_interval, speedup_of, tau_interval, tau_of
-from draftlab.methods.ssd.calibrate import Calibration
+from draftlab.methods.ssd.calibration import Calibration
 from draftlab.methods.ssd.saguaro import geometric_fanout, uniform_fanout
 from draftlab.utils.atomic import atomic_write_text
 

@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 
 def _register_config_resolvers() -> None:
     # Config interpolations draftlab's conf/ uses (``${auto_precision:...}``), available wherever it is imported.
-    from draftlab.training.precision import register_resolver
+    from draftlab.utils.precision import register_resolver
 
     register_resolver()
 

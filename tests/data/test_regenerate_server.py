@@ -13,11 +13,17 @@ import pytest
 from omegaconf import OmegaConf
 
 from draftlab.data.conversations import Conversation
-from draftlab.data.regen_server import ServerEngine, ServerSettings, engine_identity
 from draftlab.data.regenerate import RegenConfig, load_regenerated, regen_key_config, regenerate
 from draftlab.serving.client import RequestTimeout, ServerUnreachable
+from draftlab.serving.regen_server import ServerEngine, ServerSettings, engine_identity, open_engine
 from draftlab.serving.stub import StubServer
 from draftlab.utils.hashing import content_key
+
+
+def _regen(target, convs, out, cfg, **kw):
+    """``regenerate`` through the engine ``cfg`` names, opened and closed as the data stage does."""
+    with open_engine(target, cfg) as engine:
+        return regenerate(target, convs, out, cfg, engine=engine, **kw)
 
 
 def _convs(n=10):
@@ -45,8 +51,8 @@ def test_server_records_have_the_hf_schema(tiny_target, tmp_path):
     hf_out, srv_out, retok_out = tmp_path / "hf.jsonl", tmp_path / "srv.jsonl", tmp_path / "retok.jsonl"
     regenerate(tiny_target, _convs(), hf_out, RegenConfig(max_new_tokens=5, batch_size=3, seed=7), progress=False)
     with StubServer() as stub:
-        rep = regenerate(tiny_target, _convs(), srv_out, _cfg({"urls": [stub.url]}), progress=False)
-        regenerate(tiny_target, _convs(), retok_out, _cfg({"urls": [stub.url], "return_token_ids": False}),
+        rep = _regen(tiny_target, _convs(), srv_out, _cfg({"urls": [stub.url]}), progress=False)
+        _regen(tiny_target, _convs(), retok_out, _cfg({"urls": [stub.url], "return_token_ids": False}),
                    progress=False)
     assert rep.complete and (rep.success, rep.error, rep.skipped) == (10, 0, 1)
     hf, srv, retok = _records(hf_out), _records(srv_out), _records(retok_out)
@@ -68,12 +74,12 @@ def test_server_records_have_the_hf_schema(tiny_target, tmp_path):
 def test_server_dying_mid_run_then_rerun_completes_each_conversation_once(tiny_target, tmp_path):
     full = tmp_path / "full" / "regen.jsonl"
     with StubServer() as stub:
-        regenerate(tiny_target, _convs(), full, _cfg({"urls": [stub.url]}), progress=False)
+        _regen(tiny_target, _convs(), full, _cfg({"urls": [stub.url]}), progress=False)
 
     out = tmp_path / "part" / "regen.jsonl"
     with StubServer(die_after=5) as dying:  # dies during the second batch (3 + 1 requests per batch)
         with pytest.raises(ServerUnreachable) as err:
-            regenerate(tiny_target, _convs(), out, _cfg({"urls": [dying.url]}), progress=False)
+            _regen(tiny_target, _convs(), out, _cfg({"urls": [dying.url]}), progress=False)
     assert dying.url in str(err.value)
     first = _records(out)
     assert 0 < len(first) < 10
@@ -81,7 +87,7 @@ def test_server_dying_mid_run_then_rerun_completes_each_conversation_once(tiny_t
     assert _records(out.with_name("regen.errors.jsonl")) == []
 
     with StubServer() as fresh:  # the rerun (another server, another URL: same data)
-        rep = regenerate(tiny_target, _convs(), out, _cfg({"urls": [fresh.url]}), progress=False)
+        rep = _regen(tiny_target, _convs(), out, _cfg({"urls": [fresh.url]}), progress=False)
     assert rep.complete and rep.resumed_done == len(first) + 0 and (rep.success, rep.error) == (10, 0)
     ids = Counter(r["id"] for r in _records(out))
     assert ids == Counter(f"c{i}" for i in range(10))  # nothing lost, nothing twice
@@ -91,7 +97,7 @@ def test_server_dying_mid_run_then_rerun_completes_each_conversation_once(tiny_t
 def test_a_second_server_takes_over_from_a_dying_one_in_the_same_run(tiny_target, tmp_path):
     out = tmp_path / "regen.jsonl"
     with StubServer(die_after=4) as dying, StubServer() as healthy:
-        rep = regenerate(tiny_target, _convs(), out,
+        rep = _regen(tiny_target, _convs(), out,
                          _cfg({"urls": [dying.url, healthy.url], "max_retries": 2}), progress=False)
     assert rep.complete and (rep.success, rep.error, rep.skipped) == (10, 0, 1)
     assert Counter(r["id"] for r in _records(out)) == Counter(f"c{i}" for i in range(10))
@@ -107,7 +113,7 @@ def test_launched_server_killed_mid_run_is_stopped_and_the_rerun_completes(tiny_
     assert engine.process is not None and not engine.process.running  # stopped on the way out
     done = len(_records(out))
     assert 0 < done < 10
-    rep = regenerate(tiny_target, _convs(), out, _cfg({"launch": {**launch, "extra": {}}}), progress=False)
+    rep = _regen(tiny_target, _convs(), out, _cfg({"launch": {**launch, "extra": {}}}), progress=False)
     assert rep.complete and rep.resumed_done == done and rep.success == 10
     assert Counter(r["id"] for r in _records(out)) == Counter(f"c{i}" for i in range(10))
 
@@ -116,18 +122,18 @@ def test_slow_server_times_out_naming_its_url(tiny_target, tmp_path):
     out = tmp_path / "regen.jsonl"
     with StubServer(delay=3.0) as slow:
         with pytest.raises(RequestTimeout, match=slow.url.replace(".", r"\.")):
-            regenerate(tiny_target, _convs(3), out, _cfg({"urls": [slow.url], "timeout": 0.5}), progress=False)
+            _regen(tiny_target, _convs(3), out, _cfg({"urls": [slow.url], "timeout": 0.5}), progress=False)
     assert _records(out) == [] and _records(out.with_name("regen.errors.jsonl")) == []
 
 
 def test_rejected_requests_are_conversation_errors_retried_by_the_next_run(tiny_target, tmp_path):
     out = tmp_path / "regen.jsonl"
     with StubServer(fail_first=2) as stub:  # the first two requests get HTTP 503, not retried (max_retries 0)
-        first = regenerate(tiny_target, _convs(), out, _cfg({"urls": [stub.url]}), progress=False)
+        first = _regen(tiny_target, _convs(), out, _cfg({"urls": [stub.url]}), progress=False)
         assert first.complete and first.error == 2 and len(first.retry_ids) == 2
         errors = _records(out.with_name("regen.errors.jsonl"))
         assert [e["attempt"] for e in errors] == [1, 1] and all("503" in e["error"] for e in errors)
-        second = regenerate(tiny_target, _convs(), out, _cfg({"urls": [stub.url]}), progress=False)
+        second = _regen(tiny_target, _convs(), out, _cfg({"urls": [stub.url]}), progress=False)
     assert second.complete and (second.success, second.error) == (10, 0)
     assert Counter(r["id"] for r in _records(out)) == Counter(f"c{i}" for i in range(10))
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from draftlab.decoding.cache import KVCache, SparseView
 from draftlab.decoding.tree import DraftTree, ancestor_mask
+from draftlab.targets.cache import KVCache, SparseView
 
 ATOL = 1e-5
 

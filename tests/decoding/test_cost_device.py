@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from draftlab.decoding import cost
+from draftlab.targets.probe import verify_passes
 
 
 class _Cache:
@@ -38,7 +39,7 @@ class _MetaTarget:
 
 def test_verify_passes_put_every_input_on_the_target_device():
     t = _MetaTarget()
-    calls = cost.verify_passes(t, (1, 2, 5), context=8)
+    calls = verify_passes(t, (1, 2, 5), context=8)
     for call in calls:
         call()
     assert len(t.seen) == 1 + 3  # the prefill and one pass per row count

@@ -342,7 +342,8 @@ def test_no_worker_outlives_a_killed_parent(tmp_path):
 
 def test_calibration_measures_and_round_trips(tiny_target, tmp_path):
     from draftlab.methods.draft_model import DraftModelDrafter
-    from draftlab.methods.ssd.calibrate import Calibration, fit_power, measure
+    from draftlab.methods.ssd.calibrate import fit_power, measure
+    from draftlab.methods.ssd.calibration import Calibration
 
     assert fit_power({1: 1.0, 2: 0.5, 4: 0.25}) == pytest.approx(1.0)  # miss = 1/F exactly
     drafter = DraftModelDrafter(layers=2, depth=3)  # the whole target: every chain accepted, bonus = its argmax

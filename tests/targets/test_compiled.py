@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftlab.decoding.cache import PinnedKV
 from draftlab.decoding.engine import GenerationConfig, autoregressive_generate, speculative_generate
 from draftlab.decoding.tree import DraftTree, ancestor_mask
 from draftlab.targets.base import PassRequest
+from draftlab.targets.cache import PinnedKV
 from draftlab.targets.compiled import (
     AUTO_MIN_WEIGHT_BYTES,
     ROW_BUCKETS,

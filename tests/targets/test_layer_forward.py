@@ -173,7 +173,7 @@ def test_forward_layers_argument_errors(deep):
 
 @pytest.mark.slow
 def test_layer_ranges_and_full_view_on_smollm2(smollm2):
-    from draftlab.decoding.cache import SparseView
+    from draftlab.targets.cache import SparseView
 
     t = smollm2
     L = t.geometry.num_layers

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftlab.decoding.cache import PinnedKV
 from draftlab.decoding.tree import ancestor_mask
 from draftlab.targets.base import PassRequest
+from draftlab.targets.cache import PinnedKV
 
 
 def _pinned(target, embeds):

@@ -21,7 +21,7 @@ is not recorded: it ends the run.
 
 Engines. ``engine: hf`` generates with the target's own ``model.generate`` in batches; ``engine: server`` sends
 each turn as a chat completion to OpenAI-compatible servers (vLLM, SGLang), running or launched for the run
-(``draftlab.data.regen_server``). Both write the same records; ``meta.engine`` says which engine (and version)
+(``draftlab.serving.regen_server``). Both write the same records; ``meta.engine`` says which engine (and version)
 made a record and where its token counts come from (``generated`` by HF, returned by the ``server``, or
 ``retokenized`` from the server's text). A server that cannot be reached or times out is the run's error (the
 run ends, the rerun resumes); a request the server rejects is that conversation's error (retried as above).
@@ -64,7 +64,7 @@ class RegenConfig:
     # Attempts per conversation, over all runs, before a failing one is given up (reported by id).
     max_attempts: int = 3
     # hf: the target's model.generate in batches; server: OpenAI-compatible servers (``server`` settings,
-    # see draftlab.data.regen_server.ServerSettings).
+    # see draftlab.serving.regen_server.ServerSettings).
     engine: str = "hf"
     server: dict | None = None
 
@@ -261,15 +261,6 @@ class HFEngine:
         return [TurnResult(tok.decode(ids, skip_special_tokens=True), len(ids), why) for ids, why in outs]
 
 
-def open_engine(target, cfg: RegenConfig):
-    """The engine ``cfg.engine`` names, as a context manager (a launched server is stopped on leaving it)."""
-    if cfg.engine == "server":
-        from draftlab.data.regen_server import ServerEngine
-
-        return ServerEngine(target, cfg)
-    return HFEngine(target, cfg)
-
-
 @dataclass
 class _BatchState:
     """Turn-by-turn progress of one batch of conversations."""
@@ -374,10 +365,14 @@ def regenerate(target, conversations: Sequence[Conversation], out_path: str | Pa
                *, progress: bool = True, engine=None) -> RegenReport:
     """Regenerate the assistant turns of ``conversations`` with ``target`` into ``out_path`` (resumable).
 
-    ``engine``: an open engine to use (default: the one ``cfg.engine`` names, opened and closed here)."""
+    ``engine``: an open engine to use (default: HF ``generate``, opened and closed here; a serving engine comes
+    from ``draftlab.serving.regen_server.open_engine``, the layer above this one)."""
     cfg = cfg or RegenConfig()
     if engine is None:
-        with open_engine(target, cfg) as opened:
+        if cfg.engine != "hf":
+            raise ValueError(f"regeneration with engine '{cfg.engine}' needs an open engine: "
+                             "draftlab.serving.regen_server.open_engine(target, cfg)")
+        with HFEngine(target, cfg) as opened:
             return regenerate(target, conversations, out_path, cfg, progress=progress, engine=opened)
     out_path = Path(out_path)
     err_path, skip_path = _side_paths(out_path)

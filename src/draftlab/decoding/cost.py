@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftlab.decoding.tree import DraftTree, ancestor_mask
+from draftlab.targets.probe import verify_passes
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (128, 1024, 2048)  # committed prefix lengths a curve is measured over (Spec-Bench prompts reach ~1.7k)
@@ -87,29 +87,6 @@ class ContextVerifyCost:
     def step(self) -> float:
         """One decode row over the shortest context."""
         return self(1)
-
-
-def verify_passes(target, rows: tuple[int, ...], *, context: int = 128) -> list:
-    """One closure per row count, each running a verify-shaped pass of that many rows over a ``context``-token
-    prefix: tree rows at the positions after the prefix, an ancestor mask (a balanced binary tree) over the
-    committed prefix plus the tree, a scratch region of the cache that the next pass overwrites. Every input
-    is on the target's device, as the engine's are."""
-    vocab, dev = target.geometry.vocab_size, target.device
-    prompt = (torch.arange(context, device=dev) * 7919 % max(vocab - 1, 1) + 1)[None]  # [1, context] arbitrary
-    cache = target.new_cache(1, context + max(rows) + 1)
-    with torch.no_grad():  # as the engine runs: inference mode would make a compiled target guard apart
-        target.forward(prompt, cache=cache)
-    cache.commit(context)
-    calls = []
-    for k in rows:
-        # Built on the host (a tree's checks read its parents there), then moved once, as the engine's are.
-        parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)])
-        tree = DraftTree.from_parents(torch.arange(k) * 31 % max(vocab - 1, 1) + 1, parents)
-        mask = torch.cat([torch.ones(k, context, dtype=torch.bool), ancestor_mask(tree.parents)], 1).to(dev)
-        tree = tree.to(dev)
-        positions = context + tree.depth  # [k]
-        calls.append(lambda t=tree, m=mask, p=positions: target.forward(t.tokens[None], p, cache, m))
-    return calls
 
 
 def synchronize(device: torch.device | str | None) -> None:

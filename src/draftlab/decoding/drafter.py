@@ -94,9 +94,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from draftlab.decoding.cache import PinnedKV
 from draftlab.decoding.tree import DraftTree
 from draftlab.decoding.verify import VerifyResult
+from draftlab.targets.cache import PinnedKV
 
 
 @dataclass

@@ -15,7 +15,6 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from draftlab.data.regen_server import engine_identity
 from draftlab.data.regenerate import (
     RegenConfig,
     RegenReport,
@@ -26,6 +25,7 @@ from draftlab.data.regenerate import (
 from draftlab.data.template import RenderedSample, RenderReport, render_conversations, require_chat_template
 from draftlab.data.vocab import VocabMapping, load_or_build_vocab_mapping, vocab_mapping_cache_key
 from draftlab.methods.registry import MethodSpec
+from draftlab.serving.regen_server import engine_identity, open_engine
 from draftlab.training import ranks
 from draftlab.utils.atomic import atomic_write_text
 from draftlab.utils.hashing import content_key
@@ -113,7 +113,8 @@ def _run_data_stage(cfg: DictConfig, target, spec: MethodSpec | None) -> DataSta
         pool_key = content_key(target_id, data.pool_fingerprint(), key_cfg)
         regen_path = Path(cfg.paths.artifacts) / "regen" / pool_key / "regenerated.jsonl"
         if ranks.is_main():  # only rank 0 regenerates (and starts a server, with regen.server.launch)
-            regen_report = regenerate(target, convs, regen_path, rcfg)
+            with open_engine(target, rcfg) as engine:
+                regen_report = regenerate(target, convs, regen_path, rcfg, engine=engine)
             log.info("%s", regen_report)
         else:
             # Only load: regenerate() would resume, i.e. retry rank 0's failures and go on past its max_batches,

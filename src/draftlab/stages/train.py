@@ -28,10 +28,10 @@ from draftlab.methods.registry import MethodSpec
 from draftlab.stages.data import target_identity
 from draftlab.training import ranks
 from draftlab.training.placement import TargetPlacement
-from draftlab.training.precision import resolve_precision
 from draftlab.utils.atomic import atomic_dir, atomic_write_text
 from draftlab.utils.hashing import content_key
 from draftlab.utils.logging import get_logger
+from draftlab.utils.precision import resolve_precision
 
 log = get_logger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftlab.decoding.cache import KVCache, PinnedKV, SparseView
+from draftlab.targets.cache import KVCache, PinnedKV, SparseView
 
 
 def grouped_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

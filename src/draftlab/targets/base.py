@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:  # the cache lives with the decoding loop, which imports targets
-    from draftlab.decoding.cache import KVCache, PinnedKV, SparseView
+    from draftlab.targets.cache import KVCache, PinnedKV, SparseView
 
 
 class LayerConvention(str, Enum):

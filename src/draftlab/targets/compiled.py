@@ -26,9 +26,8 @@ How the passes are compiled, gpt-fast style:
   passes over all layers (``forward_layers(0, L)``, explicit slots) compile when their rows fill a bucket. Every eager
   path is unchanged; the record counts how many passes took each road.
 
-The layer's math is ``hf.layer_projections`` / ``hf.layer_output``, the functions the eager forward runs
-(``static_layer``);
-only the product, the cache writes and the mask plumbing differ. In fp32 a compiled pass sums in a
+The layer's math is ``layer_math.layer_projections`` / ``layer_output``, the functions the eager forward runs
+(``static_layer``); only the product, the cache writes and the mask plumbing differ. In fp32 a compiled pass sums in a
 different order than the eager one (logits agree to ~1e-5), as a verify pass of T rows already does
 against an AR step: the engine's guarantee is unchanged (what it emits is what its passes' argmax or
 distributions say), and tests check compiled == eager == AR token for token.
@@ -47,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from draftlab.targets.attention import grouped_attention
+from draftlab.targets.layer_math import layer_output, layer_projections
 from draftlab.targets.packed_linear import available as packed_available
 from draftlab.targets.packed_linear import packed_linear
 from draftlab.targets.row_kernels import weight_major
@@ -113,10 +114,7 @@ def static_layer(target, w: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch
     """One decoder layer as it is compiled (one graph serves every layer: the weights ``w`` are inputs): rows
     ``x [1, T, d]`` write K/V at cache ``slots [T]`` in place into this layer's ``kc/vc [1, Hkv, S_max, hd]``
     and attend to slots ``[0, S)`` under ``mask [1, 1, T, S]`` -> [1, T, d]. The norms, projections, RoPE and
-    MLP are the eager forward's own functions (``hf.layer_projections`` / ``hf.layer_output``)."""
-    from draftlab.targets.attention import grouped_attention
-    from draftlab.targets.hf import layer_output, layer_projections
-
+    MLP are the eager forward's own functions (``layer_math.layer_projections`` / ``layer_output``)."""
     q, k, v = layer_projections(target, w, x, cos, sin, linear)
     kc.index_copy_(2, slots, k)
     vc.index_copy_(2, slots, v)

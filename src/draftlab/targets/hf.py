@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from draftlab.assets import cache_root
-from draftlab.decoding.cache import KVCache, SparseView
 from draftlab.targets.attention import (
     PassRows,
     grouped_attention,
@@ -33,7 +32,6 @@ from draftlab.targets.attention import (
     layer_mass,
     pass_mask,
     pinned_rows_mask,
-    rotate_half,
 )
 from draftlab.targets.base import (
     Geometry,
@@ -43,10 +41,12 @@ from draftlab.targets.base import (
     TargetOutput,
     default_aux_layer_ids,
 )
+from draftlab.targets.cache import KVCache, SparseView
 from draftlab.targets.compiled import MODES as COMPILE_MODES
 from draftlab.targets.compiled import PAD_SLOTS, CompiledPasses
 from draftlab.targets.compiled import resolve_mode as resolve_compile
 from draftlab.targets.fused import cpu_head_pays, fuse_layers, placement
+from draftlab.targets.layer_math import layer_output, layer_projections
 from draftlab.targets.row_kernels import GEMM, MODES, ROW_GRID, RowKernels
 from draftlab.utils.logging import get_logger
 
@@ -173,7 +173,7 @@ class HFTarget:
             if mode != "auto" or self.device.type != "cpu" or self._layers is None:
                 self._row_kernels = RowKernels(GEMM if mode == "auto" else mode)
                 return self._row_kernels
-            from draftlab.decoding.cost import verify_passes
+            from draftlab.targets.probe import verify_passes
 
             self._row_kernels = RowKernels(GEMM)  # what the measurement's own prefill runs with
             passes: dict[int, object] = {}
@@ -425,31 +425,6 @@ def _decoder_layer(target: HFTarget, li: int, x: torch.Tensor, r: PassRows, cach
     if r.mass_rows:
         r.masses.append(layer_mass(r, q, k, mask, probs, w["scaling"]))  # [B, Hkv, S]
     return layer_output(target, w, x, o, _linear)
-
-
-def layer_projections(target: HFTarget, w: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear):
-    """A layer's first half on rows ``x [B, T, d]``: norm, q|k|v, per-head norms, RoPE (cos/sin [B, 1, T, hd]).
-    Returns q [B, H, T, hd], k/v [B, Hkv, T, hd]. Shared by the eager and the compiled pass."""
-    g = target.geometry
-    H, Hkv, hd, d = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size
-    B, T, _ = x.shape
-    h = F.rms_norm(x, (d,), w["ln1"], w["eps1"])
-    q, k, v = linear(h, w["wqkv"], w["bqkv"]).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
-    q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
-    k = k.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-    v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-    if w["q_norm"] is not None:  # qwen3 normalises q/k per head before RoPE
-        q, k = w["q_norm"](q), w["k_norm"](k)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
-
-def layer_output(target: HFTarget, w: dict, x: torch.Tensor, o: torch.Tensor, linear) -> torch.Tensor:
-    """A layer's second half: attention output ``o [B, H, T, hd]`` projected and added to ``x [B, T, d]``,
-    then the MLP block -> [B, T, d]. Shared by the eager and the compiled pass."""
-    B, T, d = x.shape
-    x = x + linear(o.transpose(1, 2).reshape(B, T, -1), w["wo"], w["bo"])
-    gate, up = linear(F.rms_norm(x, (d,), w["ln2"], w["eps2"]), w["wgu"]).chunk(2, dim=-1)
-    return x + linear(w["act"](gate) * up, w["wd"])
 
 
 def _run_layers(target: HFTarget, x: torch.Tensor, start: int, end: int, r: PassRows, cache: KVCache | None,

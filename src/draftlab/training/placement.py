@@ -12,7 +12,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from draftlab.methods.placement import same_device
+from draftlab.nn.placement import same_device
 from draftlab.utils.logging import get_logger
 
 log = get_logger(__name__)

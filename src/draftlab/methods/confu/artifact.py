@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from draftlab.methods.confu.config import ConFuConfig
 from draftlab.methods.confu.model import ConFuDraft
-from draftlab.methods.placement import target_device
+from draftlab.nn.placement import target_device
 
 FORMAT = "draftlab-confu/1"
 

@@ -16,7 +16,7 @@ Layout shared by inference and training (the target is frozen; only these rows' 
   (``ConFuModule.max_con_lag``).
 
 Because the soft prompts see nothing but each other, inference computes their keys and values once per
-draft (``soft_prompt_kv``) and passes them as pinned keys (``decoding.cache.PinnedKV``): a verify pass then
+draft (``soft_prompt_kv``) and passes them as pinned keys (``targets.cache.PinnedKV``): a verify pass then
 holds the tree and one contemplate row per node, not also ``s`` soft-prompt rows. Training runs them as
 rows (``contemplate``), where their gradient is needed; the two layouts compute the same attention.
 """
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.decoding.cache import PinnedKV
 from draftlab.decoding.drafter import ExtraRows
 from draftlab.decoding.tree import ancestor_mask
 from draftlab.targets.base import PassRequest
+from draftlab.targets.cache import PinnedKV
 
 
 @torch.no_grad()

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.decoding.cache import PinnedKV
 from draftlab.decoding.drafter import DecodeState, Drafter, ExtraRows, VerifyOutput
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.confu.contemplate import contemplate, soft_prompt_kv, verify_extra_rows
 from draftlab.methods.confu.model import ConFuDraft
 from draftlab.methods.eagle3.drafter import Eagle3Drafter
 from draftlab.methods.eagle3.model import SideKeys
+from draftlab.targets.cache import PinnedKV
 
 FutureKV = list[tuple[torch.Tensor, torch.Tensor]]
 

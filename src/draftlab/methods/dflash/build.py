@@ -13,8 +13,8 @@ import torch
 
 from draftlab.methods.dflash.config import DFlashConfig, default_mask_token_id, default_taps
 from draftlab.methods.dflash.model import DFlashDraft
-from draftlab.methods.placement import target_device
 from draftlab.nn import LlamaLayerGeometry
+from draftlab.nn.placement import target_device
 from draftlab.targets.base import LayerConvention, to_convention
 from draftlab.utils.errors import ConfigError
 

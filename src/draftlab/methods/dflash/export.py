@@ -28,8 +28,8 @@ import torch
 
 from draftlab.methods.dflash.config import DFlashConfig, default_taps
 from draftlab.methods.dflash.model import DFlashDraft
-from draftlab.methods.placement import target_device
 from draftlab.nn import rope_from_hf_config
+from draftlab.nn.placement import target_device
 from draftlab.targets.base import LayerConvention
 from draftlab.utils.atomic import atomic_dir
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftlab.methods.dflash.config import DFlashConfig
-from draftlab.methods.placement import same_device, target_device
 from draftlab.nn import RMSNorm, Rotary, apply_rotary
+from draftlab.nn.placement import same_device, target_device
 from draftlab.targets.base import to_convention
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v), each [B, Hkv, S, hd], rotated

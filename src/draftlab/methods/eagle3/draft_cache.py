@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.decoding.cache import KVCache
 from draftlab.decoding.dynamic_tree import TopCandidates
 from draftlab.methods.eagle3.model import CacheAttention, SideKeys
+from draftlab.targets.cache import KVCache
 
 
 class DraftRows:

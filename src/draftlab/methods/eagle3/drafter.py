@@ -31,14 +31,14 @@ import copy
 import torch
 
 from draftlab.decoding.budget import tree_budget
-from draftlab.decoding.cache import KVCache
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.dynamic_tree import FrontierBatch, TopCandidates, build_dynamic_tree
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.eagle3.draft_cache import DraftRows
 from draftlab.methods.eagle3.model import Eagle3Draft, SideKeys
 from draftlab.methods.eagle3.speculator import Eagle3Speculator
-from draftlab.methods.placement import check_on_target_device
+from draftlab.nn.placement import check_on_target_device
+from draftlab.targets.cache import KVCache
 
 
 def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftlab.decoding.cache import KVCache
 from draftlab.methods.eagle3.config import Eagle3Config
-from draftlab.methods.placement import target_device
 from draftlab.nn import RMSNorm, Rotary, apply_rotary, compute_dtype
+from draftlab.nn.placement import target_device
 from draftlab.targets.base import to_convention
+from draftlab.targets.cache import KVCache
 
 # ------------------------------------------------------------------------------------------------------
 # attention back-ends

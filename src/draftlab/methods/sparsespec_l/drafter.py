@@ -22,12 +22,12 @@ import time
 
 import torch
 
-from draftlab.decoding.cache import KVCache, SparseView
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.sampling import logits_to_probs, sample
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.sparsespec_l.controller import EntropyController, FixedK
 from draftlab.methods.sparsespec_l.selection import MassHistory, budget_slots, select_slots
+from draftlab.targets.cache import KVCache, SparseView
 
 
 def _entropy(probs: torch.Tensor) -> float:

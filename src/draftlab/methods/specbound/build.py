@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from draftlab.methods.placement import target_device
 from draftlab.methods.specbound.heads import ExitHeads, SpecBoundConfig, default_exit_layers
+from draftlab.nn.placement import target_device
 from draftlab.utils.atomic import atomic_dir
 from draftlab.utils.errors import ConfigError
 

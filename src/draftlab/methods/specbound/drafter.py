@@ -25,8 +25,8 @@ import torch
 from draftlab.decoding.drafter import DecodeState, Drafter
 from draftlab.decoding.sampling import logits_to_probs, sample
 from draftlab.decoding.tree import DraftTree
-from draftlab.methods.placement import check_on_target_device
 from draftlab.methods.specbound.heads import ExitHeads, act_temperature
+from draftlab.nn.placement import check_on_target_device
 from draftlab.targets.base import TargetOutput
 
 

@@ -11,7 +11,7 @@ position j where verification stopped, the rank of the bonus token t among that 
   fitted by least squares in log-log over F = 1..``max_width``;
 - ``hit_rate(fanout)`` for any fan-out vector, from the same outcomes (how the fan-out plot is drawn).
 
-``Calibration`` is the artifact (``calibration.json``, written atomically, with what was measured in its
+``Calibration`` (``calibration.py``) is the artifact (``calibration.json``, written atomically, with what was measured in its
 ``source``): the SSD drafter reads it with ``fanout: geometric`` and ``calibration: <path>``. The command line
 composes the SSD method config as a run would and keeps the result under a content key of that source
 (``<artifacts>/ssd_calibration/<key>/calibration.json``), reused when it is there::
@@ -23,10 +23,8 @@ composes the SSD method config as a run would and keeps the result under a conte
 
 from __future__ import annotations
 
-import json
 import math
 from contextlib import closing
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,52 +32,10 @@ import torch
 
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
 from draftlab.methods.ssd.cache import SpeculationCache
+from draftlab.methods.ssd.calibration import Calibration
 from draftlab.methods.ssd.saguaro import candidates
-from draftlab.utils.atomic import atomic_write_text
 
 RANK_CAP = 64  # ranks beyond this count as "never cached" (no fan-out gets near it)
-
-
-@dataclass
-class Calibration:
-    depth: int
-    temperature: float
-    accept: float  # per-position acceptance a
-    power: float  # r of 1 - p_hit(F) = F^-r
-    rounds: int
-    outcomes: list[tuple[int, int]] = field(default_factory=list)  # (j, rank of the bonus among j's candidates)
-    source: dict = field(default_factory=dict)  # what was measured: target, primary, prompts
-
-    def miss_rate(self, width: int) -> float:
-        """1 - p_hit of a uniform fan-out ``width`` over the measured outcomes."""
-        return 1.0 - self.hit_rate([width] * (self.depth + 1))
-
-    def hit_rate(self, fanout: list[int]) -> float:
-        """The share of measured rounds whose outcome a cache with ``fanout`` holds."""
-        if not self.outcomes:
-            return 0.0
-        return sum(rank < fanout[j] for j, rank in self.outcomes) / len(self.outcomes)
-
-    def save(self, path: str | Path) -> Path:
-        out = {"format": "draftlab-ssd-calibration/1", **asdict(self)}
-        return atomic_write_text(Path(path), json.dumps(out, indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> Calibration:
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path}: not a readable SSD calibration ({exc})") from exc
-        if raw.get("format") != "draftlab-ssd-calibration/1":
-            raise ValueError(f"{path}: field 'format': expected 'draftlab-ssd-calibration/1', got {raw.get('format')!r}")
-        raw.pop("format")
-        try:
-            cal = cls(**raw)
-        except TypeError as exc:
-            raise ValueError(f"{path}: {exc}") from exc
-        cal.outcomes = [tuple(o) for o in cal.outcomes]
-        return cal
 
 
 def fit_power(miss: dict[int, float]) -> float:

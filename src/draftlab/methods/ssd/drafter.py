@@ -43,7 +43,7 @@ class SSDDrafter(Drafter):
     depth           tokens per chain (K).
     fanout          ``uniform`` (``width`` candidates per outcome position) or ``geometric`` (a ``budget``
                     spread by ``accept`` a and ``power`` r, Saguaro's Thm 12; ``calibration``: the path of a
-                    measured ``calibrate.Calibration``, whose a and r are used instead).
+                    measured ``calibration.Calibration``, whose a and r are used instead).
     scale           Saguaro's C in (0, 1]: 1 is plain sampling from q.
     backup          ``jit`` (the primary drafts on a miss) or ``fast`` (``fast``, a deterministic drafter).
     worker          ``process`` (its own process, ``worker_threads`` threads, on ``worker_cpus``), ``inline``, or
@@ -67,7 +67,7 @@ class SSDDrafter(Drafter):
             primary = primary(draft)
         self.primary, self.fast, self.depth = primary, fast, int(depth)
         if calibration is not None:  # a measured a and r replace the configured ones
-            from draftlab.methods.ssd.calibrate import Calibration  # not at import: it is also a script (-m)
+            from draftlab.methods.ssd.calibration import Calibration
 
             cal = Calibration.load(calibration)
             if cal.depth != self.depth:

@@ -20,7 +20,7 @@ import torch
 
 from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.methods.eagle3.model import Eagle3Draft
-from draftlab.methods.placement import target_device
+from draftlab.nn.placement import target_device
 from draftlab.targets.base import LayerConvention, default_aux_layer_ids
 from draftlab.utils.errors import ArtifactError
 from draftlab.utils.logging import get_logger

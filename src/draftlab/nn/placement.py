@@ -34,13 +34,6 @@ def module_devices(module: nn.Module) -> set[torch.device]:
     return {t.device for t in (*module.parameters(), *module.buffers())}
 
 
-def module_device(module: nn.Module) -> torch.device:
-    """The device of ``module``'s first parameter (or buffer); the CPU for an empty module."""
-    for t in (*module.parameters(), *module.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     """``cuda`` and ``cuda:0`` name the same device when the current CUDA device is 0."""
     a, b = torch.device(a), torch.device(b)

@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from draftlab.data.regenerate import RegenConfig, TurnRequest, TurnResult
+from draftlab.data.regenerate import HFEngine, RegenConfig, TurnRequest, TurnResult
 from draftlab.serving.client import ChatClient, RequestTimeout, ServerUnreachable, ServingError, get_json
 from draftlab.serving.launcher import (
     SGLANG_HEALTH,
@@ -273,3 +273,8 @@ class ServerEngine:
         finish = completion.finish_reason if completion.finish_reason in ("stop", "length") else \
             str(completion.finish_reason)
         return TurnResult(completion.text, len(ids), finish, source)
+
+
+def open_engine(target, cfg: RegenConfig):
+    """The engine ``cfg.engine`` names, as a context manager (a launched server is stopped on leaving it)."""
+    return ServerEngine(target, cfg) if cfg.engine == "server" else HFEngine(target, cfg)
