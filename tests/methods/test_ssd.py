@@ -37,6 +37,16 @@ from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT
 # ---- Saguaro's pieces ----------------------------------------------------------------------------------
 
 
+def test_a_primary_that_cannot_speculate_is_refused_by_name(tiny_target):
+    from draftlab.decoding.drafter import Drafter
+    from draftlab.methods.prompt_lookup import PromptLookupDrafter
+
+    assert not hasattr(Drafter, "speculator")  # the seam every drafter implements does not carry SSD's hook
+    with closing(SSDDrafter(primary=PromptLookupDrafter(), worker="inline")) as ssd:
+        with pytest.raises(ValueError, match="PromptLookupDrafter cannot draft after an unverified outcome"):
+            speculative_generate(tiny_target, UNSEEN_PROMPT[:8], ssd, GenerationConfig(max_new_tokens=4))
+
+
 def test_fanouts():
     assert uniform_fanout(3, 4) == [3, 3, 3, 3, 3]
     law = stop_law(0.5, 3)

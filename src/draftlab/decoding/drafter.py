@@ -24,10 +24,6 @@ explicitly to inherit those defaults, so the engine never probes a drafter for o
 - ``reset(state)`` once per sequence after prefill, ``propose(state)`` and ``update(state, out)`` per round.
 - ``sequence_stats()`` once per sequence at the end: a flat ``{name: number}`` of what the drafter did
   (SpecBound's exit depths), kept in ``DecodeStats.drafter_stats`` and in answer records. Default ``None``.
-- ``speculator(target)``: a ``decoding.speculator.Speculator`` that drafts after any sequence, verified or
-  not (a draft model from the tokens alone; EAGLE-3 from the verified rows' features it is told of and its
-  own states past them), for drafters that prepare the next round before verification ends (SSD). Default
-  ``None``: the drafter only drafts from verified state.
 - ``close()`` once, by whoever built the drafter, when it is done with it (also after an error): a drafter
   that holds a worker process, a server connection or a file releases it here. Default: nothing held.
   Owners use ``with contextlib.closing(drafter):`` or ``closing_all`` for several.
@@ -224,11 +220,6 @@ class Drafter(Protocol):
 
     def sequence_stats(self) -> dict[str, float] | None:
         """Numbers about the sequence just decoded (``{name: int | float}``), or ``None`` (the default)."""
-        return None
-
-    def speculator(self, target):
-        """A ``decoding.speculator.Speculator`` drafting after any sequence beside ``target``, or ``None`` (the
-        default): this drafter only drafts from verified state."""
         return None
 
     def close(self) -> None:

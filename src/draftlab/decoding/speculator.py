@@ -3,8 +3,8 @@
 An ordinary drafter proposes from the verified state (``Drafter.propose(state)``). Speculative speculative
 decoding prepares the *next* round while the target still verifies this one, for each likely outcome
 ``(j accepted, bonus t)``, so its primary must draft after any sequence it is given, verified or not.
-``Drafter.speculator(target)`` returns such an object, a ``Speculator``, or ``None`` when the drafter only
-drafts from verified target state. (EAGLE-3's features of a hypothetical bonus token do not exist yet; its
+A drafter that can do so declares ``speculator(target)`` (the ``Speculates`` protocol) returning such an
+object, a ``Speculator``; the others, which only draft from verified target state, do not have it. (EAGLE-3's features of a hypothetical bonus token do not exist yet; its
 speculator drafts past the verified rows on its own states instead, as its trees do.)
 
 A ``Speculator`` drafts chains; ``Sampling`` says how each token is drawn and ``Speculation`` carries the
@@ -127,4 +127,14 @@ class Speculator(Protocol):
 
     def portable(self) -> Callable[[], Speculator]:
         """A picklable factory of an independent copy (its own weights and cache), for a worker process."""
+        ...
+
+
+@runtime_checkable
+class Speculates(Protocol):
+    """A drafter that can draft after an unverified outcome: it hands out a ``Speculator``. Not part of the
+    ``Drafter`` seam (most drafters only draft from verified state); SSD checks its primary for it."""
+
+    def speculator(self, target) -> Speculator:
+        """A ``Speculator`` drafting beside ``target`` after any sequence."""
         ...

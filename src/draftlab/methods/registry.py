@@ -10,7 +10,7 @@ pipeline supplies the run-time arguments)::
     taps                            target layers the method reads (null: the method's default)
     draft(target=, vocab=, taps=)   builds the draft nn.Module (fresh, or continued from an artifact)
     module(draft=, target=)         the LightningModule that trains / calibrates it
-    data(samples=, features=, pad_token_id=, seed=)   its LightningDataModule
+    data(samples=, feature_dir=, pad_token_id=, seed=)   its LightningDataModule
     features(target=, draft=, samples=, root=, key=)  offline target features -> a directory; null = online
     artifact.save(draft, out_dir, target=) / artifact.load(path, target=)   the trained-draft artifact
     export                          serving formats (``draftlab-export``):

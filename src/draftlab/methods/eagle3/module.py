@@ -145,8 +145,3 @@ def load_draft_checkpoint(checkpoint: dict[str, Any], config_key: str, draft, co
     if rng is not None:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
-
-
-def draft_state_dict(module_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The draft's own keys (``draft.`` prefix removed) from a module or checkpoint state dict."""
-    return {k.removeprefix("draft."): v for k, v in module_state.items() if k.startswith("draft.")}

@@ -26,7 +26,7 @@ import time
 import torch
 
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
-from draftlab.decoding.speculator import Sampling, Speculation, Speculator
+from draftlab.decoding.speculator import Sampling, Speculates, Speculation, Speculator
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.ssd.saguaro import Reshaper, geometric_fanout, uniform_fanout
 from draftlab.methods.ssd.worker import InlineWorker, ProcessWorker
@@ -98,11 +98,11 @@ class SSDDrafter(Drafter):
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def _start(self, target) -> None:
-        speculator = self.primary.speculator(target)
-        if speculator is None:
+        if not isinstance(self.primary, Speculates):
             raise ValueError(f"SSD's primary {type(self.primary).__name__} cannot draft after an unverified "
-                             "outcome (its Drafter.speculator is None); use a primary that can, e.g. "
-                             "method@method.primary=draft_model")
+                             "outcome (it has no speculator(target): decoding.speculator.Speculates); use a "
+                             "primary that can, e.g. method@method.primary=draft_model")
+        speculator = self.primary.speculator(target)
         self._speculator = speculator
         if self.worker_kind == "none":
             return
