@@ -135,8 +135,8 @@ def _mass(out, rows: int) -> torch.Tensor | None:
     return out.attn_mass[:, 0]
 
 
-def _prefill(target, prompt_ids: list[int], cfg: GenerationConfig, scratch: int, base: PassRequest):
-    cache = target.new_cache(1, len(prompt_ids) + cfg.max_new_tokens + scratch)
+def _prefill(target, prompt_ids: list[int], capacity: int, base: PassRequest):
+    cache = target.new_cache(1, capacity)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)  # [1, P]
     last = torch.tensor([len(prompt_ids) - 1], device=target.device)  # only the last row's logits are sampled
     out = target.forward(ids, None, cache, None, replace(base, logits_rows=last))
@@ -232,15 +232,16 @@ def run_verify_pass(target, drafter: Drafter, state: DecodeState, tree: DraftTre
 
 
 def commit_round(state: DecodeState, vpass: VerifyPass, vout: TargetOutput, tree: DraftTree, result: VerifyResult,
-                 kept: list[int]) -> VerifyOutput:
-    """Commit the verified path to the cache and ``kept`` (its emitted tokens) to the sequence; what the
-    drafter's ``update`` reads."""
+                 kept: list[int], rows: list[int] | None = None) -> VerifyOutput:
+    """Commit the verified path's tree ``rows`` (default: all of ``result.path``, root first) to the cache and
+    ``kept`` (the emitted tokens) to the sequence; what the drafter's ``update`` reads."""
     n = vpass.n
-    state.cache.commit_rows(result.path)  # root + accepted nodes; the bonus token is next round's root
+    rows = result.path if rows is None else rows
+    state.cache.commit_rows(rows)  # root + accepted nodes; the bonus token is next round's root
     state.tokens.extend(kept)
     aux = vout.aux_hidden[0, :n] if vout.aux_hidden is not None else None  # [N, n_aux*d]
     # Only rows whose tokens were kept (a round cut at EOS / the budget keeps a prefix of the path).
-    state.accepted_aux = aux[result.path[:len(kept)]] if aux is not None else None  # [kept, n_aux*d]
+    state.accepted_aux = aux[rows[:len(kept)]] if aux is not None else None  # [kept, n_aux*d]
     state.attn_mass = _mass(vout, vpass.request.attn_mass_rows)  # [L, Hkv, past + N]
     return VerifyOutput(tree=tree, result=result, logits=vout.logits[0, :n], aux=aux,
                         accepted_aux=state.accepted_aux, extra=vpass.extra_output(vout), kept=len(kept),
@@ -256,11 +257,16 @@ def round_trace(anchor: int, tree: DraftTree, logits: torch.Tensor, result: Veri
                       path=list(result.path), rejected=list(result.rejected), bonus=result.bonus_token, kept=kept)
 
 
-def _start(target, prompt_ids: list[int], drafter: Drafter, cfg: GenerationConfig, gen, base: PassRequest,
-           scratch: int) -> DecodeState:
-    """Prefill, sample the first token, hand the drafter its first state (``reset``)."""
-    cache, out = _prefill(target, prompt_ids, cfg, scratch, base)
-    root = int(sample(logits_to_probs(out.logits[0, -1], cfg.temperature, cfg.top_k, cfg.top_p), gen))
+def start_sequence(target, prompt_ids: list[int], drafter: Drafter, cfg: GenerationConfig, gen, base: PassRequest,
+                   scratch: int, *, root: int | None = None, capacity: int | None = None) -> DecodeState:
+    """Prefill, take the first token, hand the drafter its first state (``reset``): the engine's first step.
+
+    ``root``: the first token when it is already known (a committed sequence being replayed), else drawn from
+    the prefill's last row. ``capacity``: cache rows (default: the prompt, the token budget and ``scratch``)."""
+    capacity = capacity if capacity is not None else len(prompt_ids) + cfg.max_new_tokens + scratch
+    cache, out = _prefill(target, prompt_ids, capacity, base)
+    if root is None:
+        root = int(sample(logits_to_probs(out.logits[0, -1], cfg.temperature, cfg.top_k, cfg.top_p), gen))
     state = DecodeState(target=target, cache=cache, tokens=list(prompt_ids) + [root], prompt_len=len(prompt_ids),
                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=gen,
                         accepted_aux=out.aux_hidden[0] if out.aux_hidden is not None else None,  # [P, n_aux*d]
@@ -293,7 +299,7 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
     gen = _generator(cfg, target.device)
     base = pass_request(target, drafter)  # what every pass computes for the drafter (taps, attention mass)
     scratch = scratch_rows(cfg, drafter)
-    state = _start(target, prompt_ids, drafter, cfg, gen, base, scratch)
+    state = start_sequence(target, prompt_ids, drafter, cfg, gen, base, scratch)
     new: list[int] = [state.root]
     stats.prefill_time = time.perf_counter() - t_start
     while len(new) < cfg.max_new_tokens and not (cfg.stop_on_eos and new[-1] in eos):
@@ -328,7 +334,7 @@ def autoregressive_generate(target, prompt_ids: list[int], cfg: GenerationConfig
     stats = DecodeStats()
     t_start = time.perf_counter()
     gen = _generator(cfg, target.device)
-    cache, out = _prefill(target, prompt_ids, cfg, scratch_rows(cfg), PassRequest())
+    cache, out = _prefill(target, prompt_ids, len(prompt_ids) + cfg.max_new_tokens + scratch_rows(cfg), PassRequest())
     tok = int(sample(logits_to_probs(out.logits[0, -1], cfg.temperature, cfg.top_k, cfg.top_p), gen))
     stats.prefill_time = time.perf_counter() - t_start
     new = [tok]

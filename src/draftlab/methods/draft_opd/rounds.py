@@ -20,7 +20,9 @@ it, as the engine does:
   "accepted"), one target pass whose K/V and tapped features the drafter absorbs through ``update`` as if
   a round had accepted them.
 
-So the target processes each committed token about once, plus one tree per chosen position. The drafter's
+So the target processes each committed token about once, plus one tree per chosen position. Every step is
+the engine's own (``start_sequence``, ``verify_pass`` / ``run_verify_pass``, ``verify``, ``commit_round``):
+only the choice of what to commit differs. The drafter's
 state at a chosen position depends only on the committed prefix and the target's features of it, which
 are the same (up to float rounding) whichever rounds led there. Drafters that add rows to the verify pass
 (``extra_rows``: ConFu's contemplate rows) carry state the forced chains would not give them, and are
@@ -29,31 +31,22 @@ refused.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
-from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
+from draftlab.decoding.drafter import Drafter
 from draftlab.decoding.engine import (
     GenerationConfig,
     RoundTrace,
+    commit_round,
     pass_request,
     round_trace,
+    run_verify_pass,
     scratch_rows,
+    start_sequence,
     verify_pass,
 )
 from draftlab.decoding.tree import DraftTree
 from draftlab.decoding.verify import VerifyResult, verify
-from draftlab.targets.base import PassRequest
-
-
-def _tree_pass(target, tree: DraftTree, cache, request: PassRequest):
-    """One verify pass of ``tree`` over the committed cache (the engine's inputs): (output, logits [N, V],
-    aux [N, .] or None)."""
-    out = verify_pass(target, tree, None, cache.length, request).run(target, cache)
-    n = tree.size
-    aux = out.aux_hidden[0, :n] if out.aux_hidden is not None else None
-    return out, out.logits[0, :n], aux
 
 
 def _checked_positions(positions: list[int], prompt_len: int, T: int) -> list[int]:
@@ -87,27 +80,16 @@ def rounds_at(target, drafter: Drafter, tokens: list[int], prompt_len: int, posi
     request = pass_request(target, drafter)
     if request.attn_mass_rows:
         raise ValueError("rounds_at does not serve drafters that read the verify passes' attention mass")
-    # Room for the longest pass: a forced chain can span the whole response, a tree the drafter's rows.
+    # Room for the longest pass: a forced chain can span the whole response, a tree the drafter's rows. The
+    # root is the committed first response token (at T=0 the prefill's own argmax), not a new draw.
     scratch = max(scratch_rows(cfg, drafter), T)
-    cache = target.new_cache(1, T + scratch)
-    ids = torch.tensor([tokens[:prompt_len]], dtype=torch.long, device=target.device)  # [1, P]
-    last = torch.tensor([prompt_len - 1], device=target.device)
-    out = target.forward(ids, None, cache, None, replace(request, logits_rows=last))
-    cache.commit(prompt_len)
-    # The root is the committed first response token (at T=0 the prefill's own argmax), not a new draw.
-    state = DecodeState(target=target, cache=cache, tokens=list(tokens[:prompt_len + 1]), prompt_len=prompt_len,
-                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=generator,
-                        accepted_aux=out.aux_hidden[0] if out.aux_hidden is not None else None)
-    drafter.reset(state)
+    state = start_sequence(target, list(tokens[:prompt_len]), drafter, cfg, generator, request, scratch,
+                           root=int(tokens[prompt_len]), capacity=T + scratch)
 
-    def absorb(tree: DraftTree, result: VerifyResult, logits, aux, rows: list[int]) -> None:
-        # The engine's commit: rows (root first) become context, their tokens' successors join the sequence.
-        kept = len(rows)
-        cache.commit_rows(rows)
-        state.tokens.extend(tokens[len(state.tokens): len(state.tokens) + kept])
-        state.accepted_aux = aux[rows] if aux is not None else None
-        drafter.update(state, VerifyOutput(tree=tree, result=result, logits=logits, aux=aux,
-                                           accepted_aux=state.accepted_aux, extra=None, kept=kept))
+    def commit(tree: DraftTree, vpass, vout, result: VerifyResult, rows: list[int]) -> None:
+        # The engine's commit of tree ``rows`` (root first); their tokens' successors are the committed ones.
+        n = len(state.tokens)
+        drafter.update(state, commit_round(state, vpass, vout, tree, result, list(tokens[n:n + len(rows)]), rows))
 
     def force(until: int) -> None:
         # Committed tokens from the root up to position ``until`` (the next root) as one accepted chain.
@@ -115,25 +97,22 @@ def rounds_at(target, drafter: Drafter, tokens: list[int], prompt_len: int, posi
         if until <= root:
             return
         chain = DraftTree.chain(tokens[root], tokens[root + 1: until], deterministic=True)
-        _, logits, aux = _tree_pass(target, chain, cache, request)
-        result = VerifyResult(list(range(chain.size)), int(tokens[until]), [])
-        absorb(chain, result, logits, aux, list(range(chain.size)))
+        vpass = verify_pass(target, chain, None, state.cache.length, request)
+        vout = vpass.run(target, state.cache)
+        commit(chain, vpass, vout, VerifyResult(list(range(chain.size)), int(tokens[until]), []),
+               list(range(chain.size)))
 
     traces: list[RoundTrace] = []
     for i, q in enumerate(positions):
         force(q)
-        assert cache.length == q and len(state.tokens) == q + 1
+        assert state.cache.length == q and len(state.tokens) == q + 1
         tree = drafter.propose(state)
         if drafter.extra_rows(state, tree) is not None:
             raise ValueError(f"{type(drafter).__name__} adds rows to the verify pass; rounds_at cannot keep "
                              "their state through forced chains")
-        n = tree.size
-        vout = drafter.verify_forward(state, tree)
-        if vout is None:
-            vout, logits, aux = _tree_pass(target, tree, cache, request)
-        else:
-            logits = vout.logits[0, :n]
-            aux = vout.aux_hidden[0, :n] if vout.aux_hidden is not None else None
+        vpass = verify_pass(target, tree, None, state.cache.length, request, scratch)
+        vout = run_verify_pass(target, drafter, state, tree, vpass)  # the engine's round pass
+        logits = vout.logits[0, :tree.size]  # [N, V]
         result = verify(logits, tree, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                         generator=generator)
         traces.append(round_trace(q, tree, logits, result, len(result.path), trace_dtype))
@@ -144,6 +123,6 @@ def rounds_at(target, drafter: Drafter, tokens: list[int], prompt_len: int, posi
         agree = 0
         while agree < len(emitted) and q + 1 + agree < T and emitted[agree] == tokens[q + 1 + agree]:
             agree += 1
-        absorb(tree, result, logits, aux, result.path[: min(agree, positions[i + 1] - q)])
+        commit(tree, vpass, vout, result, result.path[: min(agree, positions[i + 1] - q)])
     return traces
 
