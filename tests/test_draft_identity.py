@@ -53,11 +53,25 @@ def test_step_is_the_one_the_artifact_was_saved_at(tmp_path, eagle3_artifact):
 
 def test_eval_record_names_the_draft_and_the_commit(tmp_path, monkeypatch, shared_data, tiny_target,
                                                     eagle3_artifact):
+    from draftlab.methods import artifact, registry
     from draftlab.stages.pipeline import run_pipeline
 
     spec, draft, draft_dir = eagle3_artifact
     _env(monkeypatch, tmp_path, shared_data)
+    reads = []  # every reader of the artifact directory, wrapped: the run opens the directory once
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            reads.append(name)
+            return fn(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(MethodSpec, "load", counted("draft", MethodSpec.load))
+    monkeypatch.setattr(artifact, "draft_step", counted("step", tracking.draft_step))
+    monkeypatch.setattr(tracking, "draft_step", counted("step", tracking.draft_step))
+    monkeypatch.setattr(registry, "trained_method_config", counted("config", registry.trained_method_config))
     record = run_pipeline(_cfg(tmp_path, "method=eagle3", f"draft_path={draft_dir}"), stage="eval")
+    assert sorted(reads) == ["config", "draft", "step"]
     assert record["draft"] == {"path": str(draft_dir), "sha256": tracking.weights_sha256(draft), "step": 120}
     assert json.loads((tmp_path / "record.json").read_text())["draft"] == record["draft"]
     # An eval-only job still names its commit and whether the tree was dirty.

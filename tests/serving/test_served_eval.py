@@ -190,9 +190,10 @@ def test_evaluate_dispatches_on_eval_engine(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(served, "served_evaluate", lambda *a: calls.append(a) or ({"engine": "vllm"}, {}))
     cfg = _compose(["eval.engine=vllm", "method=eagle3"])
-    assert evaluate(cfg, None, None, tmp_path, draft="D", draft_dir=tmp_path) == ({"engine": "vllm"}, {})
-    assert [a[:5] for a in calls] == [(cfg, None, "D", tmp_path, tmp_path)]
-    assert calls[0][5].name == "eagle3"  # the method spec, built once and passed down
+    artifact = object()  # the pipeline's DraftArtifact, passed through untouched
+    assert evaluate(cfg, None, None, tmp_path, artifact=artifact) == ({"engine": "vllm"}, {})
+    assert [a[:4] for a in calls] == [(cfg, None, artifact, tmp_path)]
+    assert calls[0][4].name == "eagle3"  # the method spec, built once and passed down
 
 
 def test_sglang_not_importable_fails_clearly_with_its_command(tmp_path):

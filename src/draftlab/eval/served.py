@@ -197,16 +197,19 @@ def _prompts(cfg: DictConfig, s: dict[str, Any], tokenizer) -> tuple[str, list[s
     return bench.name, [q.turns[0] for q in (questions if n is None else questions[: int(n)])]
 
 
-def served_evaluate(cfg: DictConfig, target, draft, draft_dir: Path | None, run_dir: Path, spec=None
+def served_evaluate(cfg: DictConfig, target, artifact, run_dir: Path, spec=None
                     ) -> tuple[dict[str, Any], dict[str, float]]:
-    """``eval.engine=vllm|sglang``: export the run's draft, serve it, compare with draftlab's chain of each length."""
+    """``eval.engine=vllm|sglang``: export the run's draft (``artifact``, a ``methods.artifact.DraftArtifact``;
+    the exporters read its directory, as ``draftlab-export`` does), serve it, compare with draftlab's chain of
+    each length."""
     from draftlab.export import export_checkpoint
     from draftlab.methods.registry import MethodSpec
     from draftlab.utils.atomic import atomic_write_text
 
     engine, s = check_engine(cfg), served_settings(cfg)
     spec, plan = spec or MethodSpec(cfg.method), serve_plan(cfg, engine)
-    if draft is None or draft_dir is None:
+    draft, draft_dir = (artifact.draft, artifact.dir) if artifact is not None else (None, None)
+    if draft is None:
         raise ConfigError(f"eval.engine={engine} serves a trained draft; method '{spec.name}' has none",
                           field="eval.engine")
     out = Path(run_dir) / "served"
@@ -238,8 +241,6 @@ def served_evaluate(cfg: DictConfig, target, draft, draft_dir: Path | None, run_
                               ("identical_to_plain", r["identical_to_plain"]), ("parity_flagged", r["parity"]["flagged"]),
                               ("speedup", r["speed"]["served_speedup"]), ("draftlab_speedup", r["speed"]["draftlab_speedup"]))
                if v is not None}
-    from draftlab.methods.registry import trained_method_config
-
     record = {"bench": bench, "method": spec.name, "label": spec.label, "engine": engine, "temperature": 0.0,
-              "axes": spec.axes(trained_method_config(draft_dir)), "max_new_tokens": max_tokens, "served": recs}
+              "axes": spec.axes(artifact.trained_config), "max_new_tokens": max_tokens, "served": recs}
     return record, metrics

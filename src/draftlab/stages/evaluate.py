@@ -34,7 +34,8 @@ from draftlab.decoding.engine import GenerationConfig, scratch_rows
 from draftlab.eval.metrics import TIMINGS
 from draftlab.eval.runner import AR_NAME
 from draftlab.eval.scoring import bench_scores, format_scores
-from draftlab.methods.registry import MethodSpec, trained_method_config
+from draftlab.methods.artifact import DraftArtifact
+from draftlab.methods.registry import MethodSpec
 from draftlab.utils.atomic import atomic_write_text
 from draftlab.utils.errors import ConfigError
 
@@ -49,12 +50,13 @@ def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
     return gen
 
 
-def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None = None, draft=None,
-             draft_dir: Path | None = None, spec: MethodSpec | None = None) -> tuple[dict[str, Any], dict[str, float]]:
+def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None = None,
+             artifact: DraftArtifact | None = None, spec: MethodSpec | None = None
+             ) -> tuple[dict[str, Any], dict[str, float]]:
     """Run ``cfg.bench`` with ``drafter`` and AR; returns (eval record, flat metrics).
-    ``draft``: the run's trained draft (None for a training-free method), for trainable baselines;
-    ``draft_dir``: its artifact, whose training config gives the axes on training settings; ``spec``: the
-    run's method (built once by the pipeline; from ``cfg.method`` when the stage runs on its own).
+    ``artifact``: the run's trained draft, read once by the pipeline (None for a training-free method): its
+    draft for trainable baselines, its training config for the axes on training settings; ``spec``: the run's
+    method (built once by the pipeline; from ``cfg.method`` when the stage runs on its own).
 
     The stage owns ``drafter`` and the baselines' drafters it builds: all are closed (``Drafter.close``) when
     it returns, also when decoding raises."""
@@ -63,13 +65,14 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | No
     spec = spec or MethodSpec(cfg.method)
     with closing_all(drafter):
         if check_engine(cfg) != "draftlab":  # a serving engine: the run's draft exported, served, compared
-            return served_evaluate(cfg, target, draft, draft_dir, run_dir, spec)
+            return served_evaluate(cfg, target, artifact, run_dir, spec)
         with ExitStack() as stack:
-            baselines, bspecs = baseline_drafters(cfg, draft, stack, spec)
-            return _evaluate_here(cfg, target, drafter, run_dir, loggers, draft_dir, baselines, bspecs, spec)
+            baselines, bspecs = baseline_drafters(cfg, artifact.draft if artifact else None, stack, spec)
+            trained = artifact.trained_config if artifact is not None else None
+            return _evaluate_here(cfg, target, drafter, run_dir, loggers, trained, baselines, bspecs, spec)
 
 
-def _evaluate_here(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None, draft_dir: Path | None,
+def _evaluate_here(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None, trained: dict | None,
                    baselines: dict[str, tuple[Any, GenerationConfig]], bspecs: dict[str, MethodSpec], spec: MethodSpec
                    ) -> tuple[dict[str, Any], dict[str, float]]:
     # ``evaluate`` with draftlab's own engine, the baselines built.
@@ -84,7 +87,6 @@ def _evaluate_here(cfg: DictConfig, target, drafter, run_dir: Path, loggers: lis
                           "baseline", field=f"eval.baselines.{AR_NAME}")
     labels = {n: b.label for n, b in bspecs.items()}
     labels[spec.name] = spec.label
-    trained = trained_method_config(draft_dir)
     res = run_benchmark(target, questions, drafter, gen, run_dir, bench=bench.name, method=spec.name,
                         warmup=int(cfg.eval.warmup), max_turns=cfg.eval.get("max_turns"), baselines=baselines,
                         timing=timing)

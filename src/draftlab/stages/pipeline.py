@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from draftlab import tracking
 from draftlab.eval import reuse
+from draftlab.methods.artifact import DraftArtifact
 from draftlab.methods.registry import MethodSpec
 from draftlab.training import ranks
 from draftlab.utils.logging import get_logger
@@ -74,25 +75,26 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | N
         if not ranks.is_main():
             log.info("rank %d: done; rank 0 evaluates and writes the record", ranks.rank())
             return None
+        artifact = None
         if spec.trainable:
             artifacts["draft"] = str(draft_dir)
-            draft = spec.load(draft_dir, target)
-            # Hashed as saved, before the cast to the target's dtype, so the hash names the artifact's weights.
-            draft_id = tracking.draft_identity(draft_dir, draft)
-            draft = draft.to(target.dtype).eval()
-            drafter = spec.build_drafter(draft)
+            # Read once: the draft, its weights' hash as saved (before the cast below), step and training config.
+            artifact = DraftArtifact.open(spec, draft_dir, target)
+            artifact.draft.to(target.dtype).eval()
+            drafter = spec.build_drafter(artifact.draft)
+            draft_id = artifact.identity()
         else:
-            draft, drafter = None, spec.build_drafter()
+            drafter = spec.build_drafter()
             draft_id = tracking.draft_identity(None)
         _summarise_identity(loggers, git, draft_id)
 
         eval_record = reused = None
         if cfg.eval.enabled:
             def fresh():
-                return evaluate(cfg, target, drafter, run_dir, loggers, draft=draft, draft_dir=draft_dir, spec=spec)
+                return evaluate(cfg, target, drafter, run_dir, loggers, artifact=artifact, spec=spec)
 
             eval_record, eval_metrics, reused = _evaluate_or_reuse(cfg, fresh, drafter, run_dir, loggers,
-                                                                    draft_id, draft_dir, code)
+                                                                    draft_id, artifact, code)
             metrics.update(eval_metrics)
         record = tracking.build_record(cfg, kind=stage, identity=identity, metrics=metrics, artifacts=artifacts,
                                        eval_result=eval_record, train=train_info, ctx=ctx, git=git, draft=draft_id)
@@ -107,13 +109,12 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | N
 
 
 def _evaluate_or_reuse(cfg: DictConfig, fresh: Callable[[], tuple[dict, dict]], drafter, run_dir: Path,
-                       loggers: list, draft_id: dict[str, Any], draft_dir: Path | None, code: str
+                       loggers: list, draft_id: dict[str, Any], artifact: DraftArtifact | None, code: str
                        ) -> tuple[dict[str, Any], dict[str, float], dict[str, Any]]:
     """The evaluation kept under this job's key (``draftlab.eval.reuse``), brought into ``run_dir``, or
     ``fresh()`` run and kept; returns (eval record, flat metrics, the record's ``eval_reuse``)."""
-    from draftlab.methods.registry import trained_method_config
-
-    parts = reuse.key_parts(cfg, draft_sha=draft_id.get("sha256"), code=code, trained=trained_method_config(draft_dir))
+    trained = artifact.trained_config if artifact is not None else None
+    parts = reuse.key_parts(cfg, draft_sha=draft_id.get("sha256"), code=code, trained=trained)
     key = reuse.key_of(parts)
     entry = reuse.entry_dir(cfg, key)
     stored = reuse.load(entry, key) if cfg.eval.get("reuse", True) else None
