@@ -29,7 +29,7 @@ def test_the_code_shape_walker_reads_the_kernels(tmp_path):
 def test_the_import_graph_reads_the_kernels():
     modules = test_import_graph._modules()
     assert "draftlab.kernels.ttt_attention" in modules and "draftlab.kernels.soft_cross_entropy" in modules
-    graph = test_import_graph._graph(top_level_only=False)
+    graph = test_import_graph.import_graph()
     assert "draftlab.kernels._triton" in graph["draftlab.kernels.ttt_attention"]
 
 
