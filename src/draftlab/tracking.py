@@ -171,15 +171,11 @@ def draft_step(draft_dir: str | Path) -> int | None:
     return int(step) if isinstance(step, int) and step >= 0 else None
 
 
-def draft_identity(draft_dir: str | Path | None, draft=None) -> dict[str, Any]:
-    """``{"path", "sha256", "step"}`` of the evaluated draft (all None for a training-free method).
-
-    The path alone does not say what was measured: a content-addressed directory can be retrained or resumed
-    in place, so two records naming one directory may have evaluated different weights.
-    """
-    if draft_dir is None or draft is None:
-        return {"path": None, "sha256": None, "step": None}
-    return {"path": str(draft_dir), "sha256": weights_sha256(draft), "step": draft_step(draft_dir)}
+def no_draft_identity() -> dict[str, Any]:
+    """The record's ``draft`` block of a training-free method: ``{"path", "sha256", "step"}`` all None. A trained
+    draft's comes from ``methods.artifact.DraftArtifact.identity``: the path alone does not say what was
+    measured (a content-addressed directory can be retrained or resumed in place), the weights' hash does."""
+    return {"path": None, "sha256": None, "step": None}
 
 
 def hardware_info() -> dict[str, Any]:
@@ -198,12 +194,12 @@ def build_record(cfg: DictConfig, *, kind: str, identity: dict[str, Any], metric
                  ctx: dict[str, Any] | None = None, git: dict[str, Any] | None = None,
                  draft: dict[str, Any] | None = None) -> dict[str, Any]:
     # ``git`` is read when the job starts: a long job outlives commits made while it runs.
-    # ``draft``: :func:`draft_identity` of the evaluated draft.
+    # ``draft``: the evaluated draft's identity (``DraftArtifact.identity``, or :func:`no_draft_identity`).
     ctx = hydra_context() if ctx is None else ctx
     return {"schema": RECORD_SCHEMA, "kind": kind, "run_name": identity["name"], "group": identity["group"],
             "tags": identity["tags"], "choices": ctx.get("choices", {}), "overrides": ctx.get("overrides", []),
             "config": OmegaConf.to_container(cfg, resolve=True), "git": git_info() if git is None else git, "hardware": hardware_info(),
-            "artifacts": artifacts, "draft": draft or draft_identity(None), "metrics": metrics, "eval": eval_result,
+            "artifacts": artifacts, "draft": draft or no_draft_identity(), "metrics": metrics, "eval": eval_result,
             "train": train}
 
 

@@ -16,7 +16,7 @@ The key (:func:`eval_key`) names what decides the numbers an evaluation measures
   (``train.*``, ``trainer``, ``callbacks``, ``data``, ``regen``, ``init``) and ``draft_path``: they change an
   evaluation only through the draft's weights, which the key names by content. The seed stays: it decides
   sampled outputs at T>0. The target, the bench, the method (its drafter) and ``eval.*`` stay as resolved;
-- the evaluated draft's weights, by the sha256 of ``tracking.draft_identity`` (None for a training-free
+- the evaluated draft's weights, by the sha256 of ``methods.artifact.DraftArtifact`` (None for a training-free
   method), and the training config of its artifact, from which the record takes the axes on training settings;
 - the code: a sha256 over every ``draftlab/**/*.py`` file as installed (:func:`source_version`), so any edit
   of the source, committed or not, evaluates again; it needs no git;

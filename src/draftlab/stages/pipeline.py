@@ -85,7 +85,7 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | N
             draft_id = artifact.identity()
         else:
             drafter = spec.build_drafter()
-            draft_id = tracking.draft_identity(None)
+            draft_id = tracking.no_draft_identity()
         _summarise_identity(loggers, git, draft_id)
 
         eval_record = reused = None
