@@ -1,16 +1,19 @@
 """An experiment says what runs for any method: ``experiment=quickstart method=<m>`` composes the experiment's
-data, budget and evaluation with the method's own knobs (plus the experiment's ``method_overrides.<m>``), and
+data, budget and evaluation with the method's own knobs (plus the experiment's tuning, ``conf/tuning/<t>/<m>.yaml``), and
 trains and evaluates every trainable method. Also the config forms this rests on: sources as a mapping whose
-data keys equal the list form's, and one-line errors for a knob a method lacks or a retired form."""
+data keys equal the list form's, and one-line errors for a knob a method lacks."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from draftlab.configs import compose_train_config
 from draftlab.methods.registry import MethodSpec, apply_ci, method_names
 from draftlab.utils.errors import ConfigError
-from tests.test_configs import _compose
+from tests.test_configs import CONF, _compose
 
 
 def _trainable() -> list[str]:
@@ -32,7 +35,6 @@ def test_quickstart_trains_and_evaluates_every_trainable_method(method, tmp_path
     monkeypatch.setenv("DRAFTLAB_SHARED_DATA", str(shared_data))
     cfg = _compose(["experiment=quickstart", f"method={method}", *TINY_RUN,
                     f"paths.artifacts={tmp_path / 'artifacts'}"], tmp_path)
-    assert "method_overrides" not in cfg  # merged into `method`, the config records what ran
     spec = MethodSpec(cfg.method)
     apply_ci(cfg.method)  # the method's CPU-test knobs (small trees, short rollouts), as the conformance suite's
     record = run_pipeline(cfg, stage="train")
@@ -52,25 +54,50 @@ def test_an_experiment_sets_only_the_selected_methods_knobs(tmp_path):
     assert swept.module.ttt_length == 5 and swept.drafter.nodes == 6
 
 
-def test_a_knob_the_method_lacks_is_one_line_naming_it_and_the_method_file(tmp_path):
+def _conf_with(tmp_path, files: dict[str, str]) -> Path:
+    """A copy of the real conf/ with ``files`` (relative path -> text) added."""
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    for rel, text in files.items():
+        (conf / rel).parent.mkdir(parents=True, exist_ok=True)
+        (conf / rel).write_text(text)
+    return conf
+
+
+def test_every_tuning_names_only_knobs_its_method_has(tmp_path):
+    """Each ``conf/tuning/<t>/<m>.yaml`` composed with its method: the knob check passes and the values land."""
+    tunings = sorted(CONF.glob("tuning/*/*.yaml"))
+    assert len(tunings) >= 10
+    for path in tunings:
+        cfg = compose_train_config([f"tuning={path.parent.name}", f"method={path.stem}", "init.from=/d"])
+        assert cfg.method.name == path.stem
+
+
+def test_a_knob_the_method_lacks_is_one_line_naming_it_and_the_tuning_file(tmp_path, monkeypatch):
+    conf = _conf_with(tmp_path, {"tuning/quickstart/dflash.yaml": "module: {ttt_length: 3}\n"})
+    monkeypatch.setenv("DRAFTLAB_CONF", str(conf))
     with pytest.raises(ConfigError) as err:
-        _compose(["experiment=quickstart", "method=dflash", "+method_overrides.dflash.module.ttt_length=3"], tmp_path)
+        compose_train_config(["experiment=quickstart", "method=dflash"])
     msg = str(err.value)
-    assert "conf/method/dflash.yaml" in msg and "module.ttt_length" in msg and "\n" not in msg
-    with pytest.raises(ConfigError, match="method_overrides.eagle33"):
-        _compose(["experiment=quickstart", "+method_overrides.eagle33.module.ttt_length=3"], tmp_path)
+    assert "conf/tuning/quickstart/dflash.yaml" in msg and "module.ttt_length" in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="no tuning 'quickstrat'"):
+        compose_train_config(["tuning=quickstrat"])
 
 
 def test_the_cli_refuses_a_knob_the_method_lacks_in_one_line(tmp_path):
+    import os
     import subprocess
     import sys
 
+    conf = _conf_with(tmp_path, {"tuning/quickstart/dflash.yaml": "module: {ttt_length: 3}\n"})
     proc = subprocess.run([sys.executable, "-m", "draftlab.cli.train", "experiment=quickstart", "method=dflash",
-                           "+method_overrides.dflash.module.ttt_length=3", f"paths.log_dir={tmp_path}",
-                           f"paths.artifacts={tmp_path / 'a'}"], capture_output=True, text=True, timeout=120)
+                           f"paths.log_dir={tmp_path}", f"paths.artifacts={tmp_path / 'a'}"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "DRAFTLAB_CONF": str(conf)})
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "conf/method/dflash.yaml" in lines[0] and "module.ttt_length" in lines[0]
+    assert "conf/tuning/quickstart/dflash.yaml" in lines[0] and "module.ttt_length" in lines[0]
 
 
 def test_sources_are_a_mapping_whose_data_key_is_the_list_forms(tmp_path, monkeypatch, shared_data):
@@ -103,9 +130,6 @@ def test_init_from_is_the_one_spelling_of_a_start_draft(method, where, tmp_path)
     assert OmegaConf.select(cfg.method, f"{where}.init.from") == "/drafts/d"
     plain = _compose([f"method={method}"], tmp_path)
     assert OmegaConf.select(plain.method, f"{where}.init.from", default=None) is None
-    with pytest.raises(ConfigError, match="'init_draft'.*init.from") as err:
-        _compose([f"method={method}", "init_draft=/drafts/d"], tmp_path)
-    assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="'init.from'.*contradicts"):
         _compose([f"method={method}", "init.from=/drafts/d", f"++method.{where}.init.from=/drafts/other"], tmp_path)
     with pytest.raises(ConfigError, match="'init.from'.*trains no draft.*prompt_lookup"):

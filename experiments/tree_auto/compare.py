@@ -4,7 +4,7 @@
     python experiments/tree_auto/compare.py runs/recipe/trees --label EAGLE-3 --group categories --out ...
 
 Reads the run records of one method at one temperature: separate runs (``draftlab-eval -m ...
-method.drafter.total_tokens=...`` with ``method.drafter.tree=fixed`` and ``auto``) or one run whose
+method.drafter.nodes=...`` with ``method.drafter.tree=fixed`` and ``auto``) or one run whose
 ``eval.baselines`` hold the other sizes (``experiment=smollm2_eagle3_trees``); ``--label`` keeps that
 method's rows only. Prints one row per setting with each group's speed-up (SR: tok/s over AR's on the same
 questions, in the same process) and tau, then, per group, auto's SR over the best fixed SR. Groups are

@@ -9,7 +9,7 @@ from draftlab.configs import config_dir  # noqa: F401  (the entry points and use
 
 def report_user_errors(task):
     """Wrap a Hydra task function: the config is prepared first (``configs.prepare_config``: the experiment's
-    ``method_overrides`` for the selected method, retired forms refused); a ``UserError`` (and an unread
+    tuning checked against the selected method, ``init.from`` routed); a ``UserError`` (and an unread
     appended setting, checked next) becomes
     ``error: <file>[:line]: <field>: <what>`` on stderr and exit code 2; ``DRAFTLAB_DEBUG=1`` re-raises
     with the traceback. Any other exception is a bug and keeps its traceback."""
@@ -30,27 +30,6 @@ def report_user_errors(task):
                 raise
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-
-    return run
-
-
-def refuse_retired_argv(main):
-    """Wrap a ``hydra.main`` entry point: a retired setting name on the command line (``configs.RETIRED``) is
-    refused with one line naming the new one before Hydra composes (which would only say "not in struct")."""
-    import functools
-    import sys
-
-    from draftlab.configs import refuse_retired_overrides
-    from draftlab.utils.errors import UserError
-
-    @functools.wraps(main)
-    def run(*args, **kwargs):
-        try:
-            refuse_retired_overrides(sys.argv[1:])
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
-        return main(*args, **kwargs)
 
     return run
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from draftlab.cli import config_dir, refuse_retired_argv, report_user_errors
+from draftlab.cli import config_dir, report_user_errors
 
 
-@refuse_retired_argv
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="data_stage")
 @report_user_errors
 def main(cfg: DictConfig) -> None:

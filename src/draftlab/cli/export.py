@@ -10,7 +10,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from draftlab.cli import config_dir, refuse_retired_argv, report_user_errors
+from draftlab.cli import config_dir, report_user_errors
 from draftlab.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -70,7 +70,6 @@ def run_export(cfg: DictConfig) -> dict:
         speculative_tokens=int(cfg.speculative_tokens))
 
 
-@refuse_retired_argv
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="export")
 @report_user_errors
 def main(cfg: DictConfig) -> None:

@@ -40,11 +40,3 @@ def resolve_precision(precision, accelerator: str | None = "cpu") -> str:
     if str(accelerator) in ("gpu", "cuda"):
         return "bf16-mixed"
     return "bf16-mixed" if native_bf16_cpu() else "32-true"
-
-
-def register_resolver() -> None:
-    """``${auto_precision:<accelerator>}`` for configs (idempotent)."""
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("auto_precision"):
-        OmegaConf.register_new_resolver("auto_precision", lambda accelerator="cpu": resolve_precision(AUTO, accelerator))

@@ -41,7 +41,7 @@ def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers
     if vocab is not None:
         raise ConfigError("DFlash (conf/method/dflash.yaml) predicts through the target's own LM head over the "
                           "full vocabulary; set method.draft_vocab_size: null (an experiment's draft vocabulary for "
-                          "other methods belongs in their method_overrides)")
+                          "other methods belongs in their tuning files)")
     init = {k: v for k, v in (init or {}).items() if v is not None}
     if init.get("from"):
         draft = load_artifact(init["from"], target=target)
