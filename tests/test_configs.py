@@ -122,7 +122,7 @@ def test_compose_and_instantiate(group, name, tmp_path, monkeypatch):
         spec = MethodSpec(cfg.method)
         spec.axes()  # every declared axis points at a real setting
         if spec.trainable:  # partials waiting for the run-time arguments (draft, target, samples, ...)
-            for block in ("draft", "module", "data", "drafter"):  # a student's blocks where the method has none
+            for block in ("draft", "module", "data", "drafter"):  # a base's blocks where the method has none
                 assert callable(instantiate(spec.block(block))), block
             artifact = spec.block("artifact")
             assert callable(instantiate(artifact.save)) and callable(instantiate(artifact.load))
@@ -143,12 +143,12 @@ def test_axes_on_training_settings_come_from_the_trained_draft(tmp_path):
     plain = {"name": "dflash", "draft": {"block_size": 4, "num_layers": 1}}
     assert dflash.axes(plain)["block_size"] == 4 and dflash.axes(plain)["draft_layers"] == 1
     assert dflash.axes(plain)["tree"] == dflash.axes()["tree"]  # decoding settings stay the config's
-    # Trained by a wrapper (Draft-OPD): the draft's settings are its student's, the wrapper's its own.
-    wrapped = {"name": "draft_opd", "student": plain, "module": {"refresh_every": 3}}
+    # Trained by a wrapper (Draft-OPD): the draft's settings are its base's, the wrapper's its own.
+    wrapped = {"name": "draft_opd", "base": plain, "module": {"refresh_every": 3}}
     assert dflash.axes(wrapped)["block_size"] == 4
-    opd = MethodSpec.from_name("draft_opd", ["method@method.student=dflash"])
+    opd = MethodSpec.from_name("draft_opd", ["method@method.base=dflash"])
     axes = opd.axes(wrapped)
-    assert axes["block_size"] == 4 and axes["refresh_every"] == 3 and axes["student"] == "dflash"
+    assert axes["block_size"] == 4 and axes["refresh_every"] == 3 and axes["base"] == "dflash"
     assert opd.axes(plain)["refresh_every"] == opd.axes()["refresh_every"]  # not trained by a wrapper
     # A setting the artifact's config lacks (an older artifact) keeps the config's value.
     assert dflash.axes({"name": "dflash"})["block_size"] == 8
@@ -204,7 +204,7 @@ def test_slurm_launcher_composes_with_the_plugin(tmp_path):
     assert launcher.tasks_per_node == launcher.gpus_per_node == cfg.trainer.devices == 4 and launcher.nodes == 1
 
 
-@pytest.mark.parametrize("method,module", [("eagle3", "module"), ("confu", "module"), ("draft_opd", "student.module")])
+@pytest.mark.parametrize("method,module", [("eagle3", "module"), ("confu", "module"), ("draft_opd", "base.module")])
 def test_the_ttt_attention_kernel_stays_out_of_the_training_key(method, module, tmp_path):
     """``module.attention`` / ``cross_entropy`` pick kernels for the same loss: a draft trained with one is reused
     under another."""

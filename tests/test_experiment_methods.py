@@ -124,7 +124,7 @@ def test_sources_are_a_mapping_whose_data_key_is_the_list_forms(tmp_path, monkey
 
 
 @pytest.mark.parametrize(("method", "where"), [("eagle3", "draft"), ("confu", "draft"), ("dflash", "draft"),
-                                               ("draft_opd", "student.draft")])
+                                               ("draft_opd", "base.draft")])
 def test_init_from_is_the_one_spelling_of_a_start_draft(method, where, tmp_path):
     cfg = _compose([f"method={method}", "init.from=/drafts/d"], tmp_path)
     assert OmegaConf.select(cfg.method, f"{where}.init.from") == "/drafts/d"

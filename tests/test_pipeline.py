@@ -380,7 +380,7 @@ def test_draft_opd_continues_a_trained_draft_and_resumes_mid_phase(tmp_path, mon
     straight = opd()
     draft = Path(straight["artifacts"]["draft"])
     assert straight["eval"]["mismatches_vs_ar"] == 0 and straight["eval"]["label"] == "Draft-OPD"
-    assert straight["eval"]["axes"]["student"] == "eagle3"
+    assert straight["eval"]["axes"]["base"] == "eagle3"
     history = straight["train"]["history"]
     opd_rows = [r for r in history if "train/loss" in r]
     assert opd_rows and "val/tau" in straight["train"]["best"]

@@ -66,7 +66,7 @@ def checkpoints(root: Path) -> list[tuple[Path, int, float]]:
 
 def draft_at(start, path: Path):
     """The start draft with the weights of the training checkpoint ``path`` (its ``draft.*`` entries): any
-    student's checkpoint, since the module keeps the draft under ``draft``. Checkpoints carry no target
+    base's checkpoint, since the module keeps the draft under ``draft``. Checkpoints carry no target
     weights, so the embedding stays the start draft's (the target's, frozen in training)."""
     import copy
 

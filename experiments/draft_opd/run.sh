@@ -24,7 +24,7 @@ BASE=$(record "$OUT/sft")
 # 2. Draft-OPD for $MIN minutes: GSM8K-train + ShareGPT prompts, 96-token rollouts at T=0 with the same
 #    tree it is evaluated with; 8 replay steps of 4 rollouts per phase of 4 prompts.
 [ -f "$OUT/opd/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init.from="$BASE" \
-    "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.nodes=6 \
+    "${TREE[@]/#method./method.base.}" method.module.rollout_drafter.nodes=6 \
     method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
     method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" "${FP32[@]}" \
     eval.enabled=false logger=csv hydra.run.dir="$OUT/opd"
@@ -46,7 +46,7 @@ declare -A ABL=([seed1]=seed=1 [nodecay]=method.module.objective.gamma=1.0 [forw
                 [random_rounds_steps]="method.module.anchors=random_rounds trainer.max_steps=${OPD_STEPS:-33} +method.module.total_steps=1504 trainer.max_time=00:01:00:00")
 for arm in ${ABLATIONS-$ALL_ABLATIONS}; do
   [ -f "$OUT/opd_$arm/record.json" ] || draftlab-train experiment=draft_opd_smollm2 init.from="$BASE" \
-      "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.nodes=6 \
+      "${TREE[@]/#method./method.base.}" method.module.rollout_drafter.nodes=6 \
       method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
       method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$BUDGET" "${FP32[@]}" \
       ${ABL[$arm]} eval.enabled=false logger=csv hydra.run.dir="$OUT/opd_$arm"  # unquoted: one or more overrides
@@ -89,7 +89,7 @@ CKPT=(callbacks.model_checkpoint.save_top_k=-1 +callbacks.model_checkpoint.train
       +callbacks.model_checkpoint.train_time_interval.minutes="${CURVE_EVERY:-5}")
 if [ ! -f "$OUT/curve_opd/record.json" ] || [ ! -f "$OUT/curve_sft/record.json" ]; then
   OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_smollm2 init.from="$BASE" \
-      "${TREE[@]/#method./method.student.}" method.module.rollout_drafter.nodes=6 \
+      "${TREE[@]/#method./method.base.}" method.module.rollout_drafter.nodes=6 \
       method.module.refresh_every=8 method.module.sequences_per_step=4 method.module.generation.max_new_tokens=96 \
       method.module.optimizer.lr=3e-4 method.data.val_fraction=0 trainer.max_time="$CBUDGET" "${FP32[@]}" \
       "${CKPT[@]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/curve_opd" & P1=$!
@@ -102,7 +102,7 @@ python experiments/draft_opd/curve.py --start "$BASE" "$OUT/curve_sft" "$OUT/cur
     --name "SFT continued" --name "Draft-OPD" --out experiments/draft_opd/curve
 fi
 
-# 7. The DFlash student: a supervised DFlash draft (block 4; experiment=dflash_smollm2's 32 regenerated
+# 7. The DFlash base: a supervised DFlash draft (block 4; experiment=dflash_smollm2's 32 regenerated
 #    conversations, 10 minutes), then Draft-OPD and continued supervised training from it for $MIN minutes
 #    each on one core (DFLASH=0 skips). Evaluated as above: Spec-Bench (one per category) and GSM8K test (10).
 if [ "${DFLASH:-1}" = 1 ]; then
@@ -113,7 +113,7 @@ if [ "${DFLASH:-1}" = 1 ]; then
   # The two arms side by side on one core each, as the time curve: any other load hits both alike.
   if [ ! -f "$OUT/dflash_opd/record.json" ] || [ ! -f "$OUT/dflash_sft_more/record.json" ]; then
     OMP_NUM_THREADS=1 draftlab-train experiment=draft_opd_dflash_smollm2 init.from="$DBASE" \
-        "${B4[@]/#method./method.student.}" method.module.refresh_every=8 method.module.sequences_per_step=4 \
+        "${B4[@]/#method./method.base.}" method.module.refresh_every=8 method.module.sequences_per_step=4 \
         method.module.generation.max_new_tokens=96 method.module.optimizer.lr=3e-4 method.data.val_fraction=0 \
         trainer.max_time="$BUDGET" "${FP32[@]}" eval.enabled=false logger=csv hydra.run.dir="$OUT/dflash_opd" & P1=$!
     OMP_NUM_THREADS=1 draftlab-train experiment=dflash_smollm2 "${B4[@]}" +method.draft.init.from="$DBASE" \

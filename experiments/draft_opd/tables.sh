@@ -15,7 +15,7 @@ for set in eval:specbench gsm8k:gsm8k; do
   mapfile -d '' args < <(named "${set%%:*}")
   draftlab-table "${args[@]}" --layout table4 --cell joint --out "$HERE/table_${set##*:}.md"
 done
-# The DFlash student.
+# The DFlash base.
 D=$HERE/records/dflash
 draftlab-table $D/eval_sft.json $D/eval_sft_more.json $D/eval_opd.json $D/gsm8k_sft.json $D/gsm8k_sft_more.json \
     $D/gsm8k_opd.json --name "DFlash SFT (start)" --name "DFlash SFT continued" --name "DFlash Draft-OPD" \

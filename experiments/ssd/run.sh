@@ -6,7 +6,7 @@ set -euo pipefail
 R=${1:-runs/ssd}
 D=experiments/ssd
 mkdir -p "$D/calibration"
-cal() { python -m draftlab.methods.ssd.calibrate method.primary.drafter.layers=24 method.primary.drafter.depth=3 "$@"; }
+cal() { python -m draftlab.methods.ssd.calibrate method.base.drafter.layers=24 method.base.drafter.depth=3 "$@"; }
 [ -f "$D/calibration/t0.json" ] || cal --temperature 0 --out $D/calibration/t0.json
 [ -f "$D/calibration/t07.json" ] || cal --temperature 0.7 --out $D/calibration/t07.json
 one() { OMP_NUM_THREADS=1 taskset -c 0 draftlab-eval "$@"; }

@@ -85,7 +85,7 @@ def _check_knobs(tuned: DictConfig, plain: DictConfig, file: str, prefix: str = 
 
 def _route_init(cfg: DictConfig, method_file: str) -> None:
     """``init.from``, the one spelling of "start from a trained draft", becomes the ``draft.init.from`` of the
-    draft the method trains (its own, or its student's for a method that trains another's, as Draft-OPD).
+    draft the method trains (its own, or its base's for a method that trains another's, as Draft-OPD).
 
     Set by interpolation, so a required start (``init.from: ???`` in an experiment) fails by that name when the
     config resolves, and the training key holds the path as before. Nothing trains under ``draft_path``
@@ -95,7 +95,7 @@ def _route_init(cfg: DictConfig, method_file: str) -> None:
     missing = OmegaConf.is_missing(cfg.init, "from")
     if not missing and cfg.init.get("from") is None:
         return
-    owner = "method.student" if OmegaConf.select(cfg, "method.student") is not None else "method"
+    owner = "method.base" if OmegaConf.select(cfg, "method.base") is not None else "method"
     if OmegaConf.select(cfg, f"{owner}.draft") is None:
         raise ConfigError(f"method '{_method_name(cfg)}' trains no draft to start from ({method_file})",
                           field="init.from")

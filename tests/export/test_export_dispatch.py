@@ -54,7 +54,7 @@ def test_formats_come_from_the_method_block():
     assert eagle3.resolve_export_format("native") == ["sglang"]
     assert eagle3.resolve_export_format("both") == eagle3.resolve_export_format("all") == eagle3.export_formats
     assert dflash.export_formats == ["dflash"] and dflash.resolve_export_format("all") == ["dflash"]
-    # A method training another's draft exports it as the student's.
+    # A method training another's draft exports it as the base's.
     assert MethodSpec.from_name("draft_opd").export_formats == eagle3.export_formats
 
 

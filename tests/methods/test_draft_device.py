@@ -100,7 +100,7 @@ def test_a_loaded_draft_is_on_the_targets_device(meta_target, tiny_target, saved
 
 
 # (method, where its config names the draft it continues, the method whose artifact that is)
-CONTINUED = [("eagle3", "draft.init.from", "eagle3"), ("draft_opd", "student.draft.init.from", "eagle3"),
+CONTINUED = [("eagle3", "draft.init.from", "eagle3"), ("draft_opd", "base.draft.init.from", "eagle3"),
              ("confu", "draft.init_from", "eagle3"), ("confu", "draft.init.from", "confu"),
              ("dflash", "draft.init.from", "dflash")]
 
@@ -172,7 +172,7 @@ def test_a_drafter_refuses_a_draft_that_is_not_on_the_targets_device(tiny_target
 # ---- the draft cache and the features of every round ----------------------------------------------------
 
 
-# SSD's feature primary keeps its cache in its speculator (the test below).
+# SSD's feature base keeps its cache in its speculator (the test below).
 FEATURE_DRAFTERS = [n for n in TRAINABLE if not n.startswith(("confu", "specbound", "ssd"))]
 
 

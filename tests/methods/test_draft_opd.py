@@ -238,21 +238,21 @@ def test_dflash_replayed_logprobs_equal_the_rollouts(tiny_target, dflash_draft, 
         DFlashReplay(3).logprobs(dflash_draft, tiny_target, ro.tokens, roots, chains)
 
 
-@pytest.mark.parametrize("student", ["dflash", "confu"])
-def test_draft_opd_trains_every_student_and_decodes_losslessly(tiny_target, request, student):
-    """``method=draft_opd method@method.student=<m>`` composed from the real conf/: a rollout phase and two
-    replay steps move the student's draft (every chain no longer than its drafter proposes), and greedy
-    decoding with the result equals AR. (The EAGLE-3 student runs through the conformance suite.)"""
+@pytest.mark.parametrize("base", ["dflash", "confu"])
+def test_draft_opd_trains_every_base_and_decodes_losslessly(tiny_target, request, base):
+    """``method=draft_opd method@method.base=<m>`` composed from the real conf/: a rollout phase and two
+    replay steps move the base's draft (every chain no longer than its drafter proposes), and greedy
+    decoding with the result equals AR. (The EAGLE-3 base runs through the conformance suite.)"""
     from draftlab.decoding.engine import autoregressive_generate
     from draftlab.methods.registry import MethodSpec
     from tests.decoding.conformance.methods import sequences
     from tests.methods.corpus import UNSEEN_PROMPT
 
-    spec = MethodSpec.from_name("draft_opd", [f"method@method.student={student}", "method.module.refresh_every=2"])
-    assert spec.cfg.student.name == student and spec.axes()["student"] == student
-    if student == "confu":  # a chain of 4, as the conformance suite sizes trees
-        spec.cfg.student.drafter.update(branching=4, depth=4, nodes=16)
-    draft = copy.deepcopy(request.getfixturevalue(f"{student}_draft")).train()
+    spec = MethodSpec.from_name("draft_opd", [f"method@method.base={base}", "method.module.refresh_every=2"])
+    assert spec.cfg.base.name == base and spec.axes()["base"] == base
+    if base == "confu":  # a chain of 4, as the conformance suite sizes trees
+        spec.cfg.base.drafter.update(branching=4, depth=4, nodes=16)
+    draft = copy.deepcopy(request.getfixturevalue(f"{base}_draft")).train()
     module = spec.build_module(draft, tiny_target)
     module.log_dict = lambda *a, **k: None  # no trainer attached
     module.generation.max_new_tokens = MethodSpec.from_name("draft_opd", ci=True).cfg.module.generation.max_new_tokens
@@ -468,7 +468,7 @@ def test_random_rounds_module_places_as_many_anchors_reproducibly(tiny_target, e
 
     spec = MethodSpec.from_name("draft_opd", ["method.module.anchors=random_rounds", "method.module.refresh_every=2"])
     assert spec.axes()["anchors"] == "random_rounds"
-    spec.cfg.student.drafter.update(**SMALL_TREE)
+    spec.cfg.base.drafter.update(**SMALL_TREE)
     module = spec.build_module(copy.deepcopy(eagle3_draft).train(), tiny_target)
     module.log_dict = lambda *a, **k: None  # no trainer attached
     module.generation.max_new_tokens = 24

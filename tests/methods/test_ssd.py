@@ -1,4 +1,4 @@
-"""SSD / Saguaro: fan-outs and σ_{F,C}; every cached chain is what the primary drafts after the real sequence
+"""SSD / Saguaro: fan-outs and σ_{F,C}; every cached chain is what the base drafts after the real sequence
 (a cache serving the wrong key or a stale one is caught); greedy == AR and the powered sampling check on the
 rounds that cached chains serve, both backups, C < 1 (verifying with the un-rescaled q is caught); the worker
 process never outlives its drafter, not even a parent killed mid-round."""
@@ -37,12 +37,12 @@ from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT
 # ---- Saguaro's pieces ----------------------------------------------------------------------------------
 
 
-def test_a_primary_that_cannot_speculate_is_refused_by_name(tiny_target):
+def test_a_base_that_cannot_speculate_is_refused_by_name(tiny_target):
     from draftlab.decoding.drafter import Drafter
     from draftlab.methods.prompt_lookup import PromptLookupDrafter
 
     assert not hasattr(Drafter, "speculator")  # the seam every drafter implements does not carry SSD's hook
-    with closing(SSDDrafter(primary=PromptLookupDrafter(), worker="inline")) as ssd:
+    with closing(SSDDrafter(base=PromptLookupDrafter(), worker="inline")) as ssd:
         with pytest.raises(ValueError, match="PromptLookupDrafter cannot draft after an unverified outcome"):
             speculative_generate(tiny_target, UNSEEN_PROMPT[:8], ssd, GenerationConfig(max_new_tokens=4))
 
@@ -77,12 +77,12 @@ def test_saguaro_reshape_scales_the_top_tokens():
     assert Reshaper([2, 0], 0.5)(1, z, q) is q  # no candidates at that position: nothing to push mass onto
 
 
-# ---- the cache serves what the primary drafts --------------------------------------------------------
+# ---- the cache serves what the base drafts --------------------------------------------------------
 
 
 class Checked(SSDDrafter):
     """The real drafter (inline worker, so a cache class can be swapped in) checked against a fresh copy of the
-    primary's speculator, kept one round behind (in the verified state the cache was built in). At T = 0,
+    base's speculator, kept one round behind (in the verified state the cache was built in). At T = 0,
     after every lookup, the whole cache must be the cache of the chain proposed the round
     before: its keys the candidates of that chain's fresh glue pass, each entry the fresh chain after
     ``context + chain[:j] + [t]``; and a served chain must be the fresh chain after the real sequence. At T > 0
@@ -183,7 +183,7 @@ def _ssd(layers: int, cache_cls=SpeculationCache, **kw) -> Checked:
     from draftlab.methods.draft_model import DraftModelDrafter
 
     cls = type("C", (Checked,), {"cache_cls": cache_cls})
-    return cls(primary=DraftModelDrafter(layers=layers, depth=4), depth=4, worker="inline", **kw)
+    return cls(base=DraftModelDrafter(layers=layers, depth=4), depth=4, worker="inline", **kw)
 
 
 def _decode(target, drafter, temperature: float, n: int = 40) -> None:
@@ -193,7 +193,7 @@ def _decode(target, drafter, temperature: float, n: int = 40) -> None:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.3])
-def test_every_hit_is_what_the_primary_drafts(tiny_target, temperature):
+def test_every_hit_is_what_the_base_drafts(tiny_target, temperature):
     with closing(_ssd(1, scale=0.5 if temperature else 1.0)) as d:
         _decode(tiny_target, d, temperature)
         # Sampled runs hit by chance: more seeds until 5 hits were checked (each one is), at most 4 passes.
@@ -220,7 +220,7 @@ SETTINGS = {"jit_process": dict(worker="process"), "fast_process": dict(worker="
 
 
 def _spec_drafter(layers: int, **kw):
-    over = [f"method.primary.drafter.layers={layers}"] + [f"method.drafter.{k}={v}" for k, v in kw.items()]
+    over = [f"method.base.drafter.layers={layers}"] + [f"method.drafter.{k}={v}" for k, v in kw.items()]
     return MethodSpec.from_name("ssd", over).build_drafter()
 
 
@@ -243,14 +243,14 @@ class UnrescaledQ(SpeculationCache):
                 spec.probs = logits_to_probs(z, request["temperature"])
 
 
-# The whole target as primary (q == p) at T = 0.3: plain chains are always accepted; with C = 0.25 the cached
+# The whole target as base (q == p) at T = 0.3: plain chains are always accepted; with C = 0.25 the cached
 # chains' laws differ from p, so a misreported law shows. Tokens 6 and 7 are tested: the first round (a
 # backup) emits tokens 1-5 when it accepts its chain, so they come from the second round, a cached chain.
 # ``unrescaled`` is in the heavy tier (``-m heavy``: 300 trials of an inline worker, over a minute); the default
 # run kills the same mutant in the exact check of every served law (test_a_misreported_cached_law_is_caught).
 # ``fast`` is in the heavy tier too (a minute): the default run checks the fast backup's cached rounds with the
 # same check in test_ssd_eagle3.py::test_powered_sampling_check[fast_cached] (the backup and the cache are the
-# same code whichever primary drafts), and this file's ``jit`` case keeps the draft-model primary.
+# same code whichever base drafts), and this file's ``jit`` case keeps the draft-model base.
 POWERED = {"jit": (SpeculationCache, "jit"), "fast": (SpeculationCache, "fast"), "unrescaled": (UnrescaledQ, "jit")}
 HEAVY = {"fast", "unrescaled"}
 
@@ -276,7 +276,7 @@ def test_powered_sampling_check_on_cached_rounds(tiny_target, case):
 
         cls = type("C", (SSDDrafter,), {"_start": lambda self, t: (SSDDrafter._start(self, t), setattr(
             self.worker, "cache", cache_cls(self.worker.cache.speculator)))})
-        d = cls(primary=DraftModelDrafter(layers=2, depth=4), depth=4, worker="inline", scale=0.25, backup=backup,
+        d = cls(base=DraftModelDrafter(layers=2, depth=4), depth=4, worker="inline", scale=0.25, backup=backup,
                 fast=PromptLookupDrafter(num_draft_tokens=4))
         made.append(d)
         return d
@@ -323,7 +323,7 @@ def test_no_worker_outlives_a_killed_parent(tmp_path):
 
         if __name__ == "__main__":
             target = load_target("tiny_random")
-            drafter = MethodSpec.from_name("ssd", ["method.primary.drafter.layers=1"]).build_drafter()
+            drafter = MethodSpec.from_name("ssd", ["method.base.drafter.layers=1"]).build_drafter()
             cfg = GenerationConfig(max_new_tokens=400, stop_on_eos=False)
             prompt = list(range(100, 140))
             speculative_generate(target, prompt, drafter, GenerationConfig(max_new_tokens=4, stop_on_eos=False))
@@ -364,11 +364,11 @@ def test_calibration_measures_and_round_trips(tiny_target, tmp_path):
     cal.save(tmp_path / "cal.json")
     again = Calibration.load(tmp_path / "cal.json")
     assert again == cal
-    d = SSDDrafter(primary=drafter, depth=3, fanout="geometric", budget=8, calibration=str(tmp_path / "cal.json"),
+    d = SSDDrafter(base=drafter, depth=3, fanout="geometric", budget=8, calibration=str(tmp_path / "cal.json"),
                    worker="inline")
     assert d.fanout == geometric_fanout(8, 3, accept=cal.accept, r=cal.power)
     with pytest.raises(ValueError, match="calibrated for chains of 3 tokens"):
-        SSDDrafter(primary=drafter, depth=4, fanout="geometric", calibration=str(tmp_path / "cal.json"), worker="inline")
+        SSDDrafter(base=drafter, depth=4, fanout="geometric", calibration=str(tmp_path / "cal.json"), worker="inline")
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="field 'format'"):
         Calibration.load(tmp_path / "bad.json")

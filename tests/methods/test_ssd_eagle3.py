@@ -1,6 +1,6 @@
 """SSD over a trained EAGLE-3 draft (``method=ssd_eagle3``): the speculator drafts past the verified rows on the
 draft's own states, the worker's copy is kept in step by each round's verified features, every cached chain
-is what the primary drafts in the verified state the cache was built in, and decoding stays exact (greedy ==
+is what the base drafts in the verified state the cache was built in, and decoding stays exact (greedy ==
 AR for every worker and backup, the powered check on the cached rounds)."""
 
 from __future__ import annotations
@@ -90,13 +90,13 @@ def test_speculator_follows_the_verified_rows(tiny_target):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.05])
-def test_every_hit_is_what_the_primary_drafts(tiny_target, temperature):
+def test_every_hit_is_what_the_base_drafts(tiny_target, temperature):
     draft = _trained(tiny_target)
     spec = _spec(worker="inline", width=8, scale=0.25 if temperature else 1.0)
-    primary = spec.build_drafter(draft).primary
+    base = spec.build_drafter(draft).base
     cfg = spec.resolved()["drafter"]
     kw = {k: cfg[k] for k in ("depth", "width", "scale")}
-    with closing(Checked(primary=primary, worker="inline", **kw)) as d:
+    with closing(Checked(base=base, worker="inline", **kw)) as d:
         prompts = [TRAIN_PROMPTS[1], UNSEEN_PROMPT, TRAIN_PROMPTS[0], TRAIN_PROMPTS[2]]
         runs = prompts * (2 if temperature else 1)  # sampled runs differ by seed: more rounds, more hits to check
         for i, prompt in enumerate(runs):
@@ -118,7 +118,7 @@ def test_greedy_equals_ar(tiny_target, setting):
 
 
 class PlainQ(Eagle3Speculator):
-    """Mutant: the speculator draws its chain from σ_{F,C} but reports the plain q (a slip in the primary's
+    """Mutant: the speculator draws its chain from σ_{F,C} but reports the plain q (a slip in the base's
     own sampling, which the jit backup verifies in every missed round)."""
 
     def chain(self, context, depth, sampling, reshape=None):
@@ -136,7 +136,7 @@ class PlainQ(Eagle3Speculator):
 # shown it in some runs only (max |z| 2.4 to 5.6, by the sampler's stream). "fast_cached": tokens 6-7, from the second round on, where the caches (uniform fan-out 2)
 # and the fast backup (prompt lookup: deterministic, rarely matching here) serve; few of its drafts are accepted
 # (12 of 200 trials measured), so it shows exactness there, with little power; the cached chains' laws are
-# checked exactly by test_every_hit_is_what_the_primary_drafts. (backup, at, trials, least accepted, mutant).
+# checked exactly by test_every_hit_is_what_the_base_drafts. (backup, at, trials, least accepted, mutant).
 POWERED = {"jit_first_round": ("jit", 1, 600, 60, None), "fast_cached": ("fast", 6, 200, 5, None),
            "plain_q": ("jit", 1, 200, 0, PlainQ)}
 
@@ -149,7 +149,7 @@ def test_powered_sampling_check(tiny_target, case):
     def make():
         d = _spec(worker="inline", width=2, scale=0.25, backup=backup).build_drafter(draft)
         if mutant is not None:
-            d.primary.speculator(tiny_target).__class__ = mutant
+            d.base.speculator(tiny_target).__class__ = mutant
         return d
 
     prompt = first_round_prompt(tiny_target)
@@ -161,23 +161,23 @@ def test_powered_sampling_check(tiny_target, case):
             check_first_round_law(tiny_target, make, prompt, temperature=0.3, trials=trials, at=at)
 
 
-def test_ssd_taps_what_its_primary_reads(tiny_target):
-    """SSD asks its primary for the taps a feature draft reads, so the engine captures them."""
+def test_ssd_taps_what_its_base_reads(tiny_target):
+    """SSD asks its base for the taps a feature draft reads, so the engine captures them."""
     draft = _trained(tiny_target)
     d = _spec(worker="none").build_drafter(draft)
     assert isinstance(d, SSDDrafter)
     assert d.taps(tiny_target) == draft.taps(tiny_target)
 
 
-def test_calibration_measures_an_eagle3_primary(tiny_target):
-    """The calibration decodes with the primary's chains as SSD runs them: its outcomes are the rounds of
-    synchronous SD with that primary (every round but each answer's last, which has no next round)."""
+def test_calibration_measures_an_eagle3_base(tiny_target):
+    """The calibration decodes with the base's chains as SSD runs them: its outcomes are the rounds of
+    synchronous SD with that base (every round but each answer's last, which has no next round)."""
     from draftlab.methods.ssd.calibrate import RANK_CAP, measure
 
     draft = _trained(tiny_target)
     prompts = [TRAIN_PROMPTS[1], TRAIN_PROMPTS[0]]
     with closing(_spec().build_drafter(draft)) as ssd:
-        cal = measure(tiny_target, ssd.primary, prompts, depth=4, temperature=0.0, max_new_tokens=24)
+        cal = measure(tiny_target, ssd.base, prompts, depth=4, temperature=0.0, max_new_tokens=24)
     stops = []
     with closing(_spec(worker="none").build_drafter(draft)) as sd:
         for i, prompt in enumerate(prompts):

@@ -148,7 +148,7 @@ def test_auto_keys_equal_the_number_it_stands_for():
 
 
 def test_nested_method_configs_resolve_too():
-    """A student (Draft-OPD) and an SSD primary that inherit EAGLE-3's ``auto`` get the number as well."""
+    """A base (Draft-OPD) and an SSD base that inherit EAGLE-3's ``auto`` get the number as well."""
     for method in ("draft_opd", "ssd_eagle3", "confu"):
         cfg = compose_train_config(["target=llama3_8b", f"method={method}"])
         spec = MethodSpec(cfg.method)

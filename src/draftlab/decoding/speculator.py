@@ -2,7 +2,7 @@
 
 An ordinary drafter proposes from the verified state (``Drafter.propose(state)``). Speculative speculative
 decoding prepares the *next* round while the target still verifies this one, for each likely outcome
-``(j accepted, bonus t)``, so its primary must draft after any sequence it is given, verified or not.
+``(j accepted, bonus t)``, so its base must draft after any sequence it is given, verified or not.
 A drafter that can do so declares ``speculator(target)`` (the ``Speculates`` protocol) returning such an
 object, a ``Speculator``; the others, which only draft from verified target state, do not have it. (EAGLE-3's features of a hypothetical bonus token do not exist yet; its
 speculator drafts past the verified rows on its own states instead, as its trees do.)
@@ -133,7 +133,7 @@ class Speculator(Protocol):
 @runtime_checkable
 class Speculates(Protocol):
     """A drafter that can draft after an unverified outcome: it hands out a ``Speculator``. Not part of the
-    ``Drafter`` seam (most drafters only draft from verified state); SSD checks its primary for it."""
+    ``Drafter`` seam (most drafters only draft from verified state); SSD checks its base for it."""
 
     def speculator(self, target) -> Speculator:
         """A ``Speculator`` drafting beside ``target`` after any sequence."""

@@ -22,10 +22,11 @@ pipeline supplies the run-time arguments)::
     axes                            name -> dotted path in this config: the settings tables compare by
     ci                              small knobs for CPU tests (``from_name(..., ci=True)``); never read by a run
 
-A method that trains another method's draft (on-policy distillation) names it as a nested ``student``
-method config; every block it does not declare itself (the draft, its artifact, exports, drafter, draft
-vocabulary, taps, axes) is the student's, so the trained draft is saved, exported and decoded exactly as
-the student's own. ``monitor`` names the validation metric the best checkpoint is chosen by.
+A method built on another names it as a nested ``base`` method config (``- /method@base: eagle3`` in its
+defaults): Draft-OPD trains its base's draft on policy, SSD drafts with its base's drafter. Every block it
+does not declare itself (the draft, its training, artifact, exports, drafter, draft vocabulary, taps) is the
+base's, so a draft it trains is saved, exported and decoded exactly as the base's own; the base's axes come
+first and the method's own on top (``axes: {nodes: null}`` drops one the method does not read). ``monitor`` names the validation metric the best checkpoint is chosen by.
 
 A method is then one folder under ``methods/`` plus its config files; a new one needs no pipeline edit.
 """
@@ -97,7 +98,7 @@ class MethodSpec:
                   ci: bool = False) -> MethodSpec:
         """Compose ``conf/method/<name>.yaml`` inside the real primary config (for tests and scripts).
 
-        ``ci``: with the method's ``ci`` block (and its student's) merged in: the small knobs the config
+        ``ci``: with the method's ``ci`` block (and its base's) merged in: the small knobs the config
         declares for CPU tests, so a test suite sizes every method without naming its settings."""
         from draftlab.configs import compose_train_config
 
@@ -139,8 +140,8 @@ class MethodSpec:
         return bool(_auto_vocab_paths(self.cfg))
 
     def resolve_draft_vocab(self, vocab_size: int) -> MethodSpec:
-        """Replace every ``draft_vocab_size: auto`` in this config (and in nested method configs: a student, an
-        SSD primary) by the number it stands for with a target of ``vocab_size`` tokens, in place: the composed
+        """Replace every ``draft_vocab_size: auto`` in this config (and in a nested method config: a
+        base) by the number it stands for with a target of ``vocab_size`` tokens, in place: the composed
         run config then holds the number, so every key, record and reader sees what an explicit value would
         give. Returns ``self``."""
         from omegaconf import read_write
@@ -167,9 +168,9 @@ class MethodSpec:
         return str(self.cfg.get("monitor") or DEFAULT_MONITOR)
 
     @property
-    def student(self) -> MethodSpec | None:
-        """The nested method whose draft this one trains (``student:`` block), or None."""
-        node = self.cfg.get("student")
+    def base(self) -> MethodSpec | None:
+        """The nested method this one is built on (``base:`` block), or None."""
+        node = self.cfg.get("base")
         return MethodSpec(node) if node is not None else None
 
     def resolved(self) -> dict[str, Any]:
@@ -177,7 +178,7 @@ class MethodSpec:
 
     def key_config(self) -> dict[str, Any]:
         """The slice of the method config that changes the trained weights (enters the training key)."""
-        def how(block):  # a module block without its kernel choices (a wrapper's module nests its student's)
+        def how(block):  # a module block without its kernel choices (a wrapper's module nests its base's)
             if not isinstance(block, dict):
                 return block
             return {k: how(v) for k, v in block.items() if k not in _MODULE_NOT_IN_TRAIN_KEY}
@@ -189,15 +190,15 @@ class MethodSpec:
             return out
 
         out = keyed(self.resolved())
-        if isinstance(out.get("student"), dict):
-            out["student"] = keyed(out["student"])
+        if isinstance(out.get("base"), dict):
+            out["base"] = keyed(out["base"])
         return out
 
     def block(self, key: str, default=None):
-        """``key`` of this config, or of the student's when this one does not declare it."""
-        if key in self.cfg or "student" not in self.cfg:
+        """``key`` of this config, or of the base's when this one does not declare it."""
+        if key in self.cfg or "base" not in self.cfg:
             return self.cfg.get(key, default)
-        return self.cfg.student.get(key, default)
+        return self.cfg.base.get(key, default)
 
     def axes(self, trained: dict[str, Any] | None = None) -> dict[str, Any]:
         """``{axis: value}`` for the comparison axes this method declares (``axes: {nodes: drafter.nodes}``).
@@ -207,11 +208,14 @@ class MethodSpec:
         blocks that leave the weights alone) then reports the draft's value, not this config's: a block-4
         DFlash draft evaluated under a block-8 config drafts blocks of 4."""
         out = {}
-        # A student's axes first (paths inside the student's config), then the method's own on top.
-        owners = ([(self.cfg.student, True)] if "student" in self.cfg else []) + [(self.cfg, False)]
-        for owner, is_student in owners:
-            source = _trained_part(trained, is_student=is_student, wraps_student="student" in self.cfg)
+        # A base's axes first (paths inside the base's config), then the method's own on top.
+        owners = ([(self.cfg.base, True)] if "base" in self.cfg else []) + [(self.cfg, False)]
+        for owner, is_base in owners:
+            source = _trained_part(trained, is_base=is_base, wraps_base="base" in self.cfg)
             for axis, path in (owner.get("axes") or {}).items():
+                if path is None:  # the method does not read its base's setting: not an axis of this method
+                    out.pop(str(axis), None)
+                    continue
                 value = OmegaConf.select(owner, str(path), throw_on_missing=False, default=_ABSENT)
                 if value is _ABSENT:
                     raise ValueError(f"method '{self.name}': axis '{axis}' points at '{path}', which the config lacks")
@@ -339,9 +343,9 @@ def _auto_vocab_paths(node: DictConfig) -> list[str]:
 
 
 def apply_ci(method_cfg: DictConfig) -> None:
-    """Merge a method config's ``ci`` block (and its student's) into it, in place: the small knobs the method
+    """Merge a method config's ``ci`` block (and its base's) into it, in place: the small knobs the method
     declares for CPU tests."""
-    for node in (method_cfg, method_cfg.get("student")):
+    for node in (method_cfg, method_cfg.get("base")):
         if node is not None:
             _merge_settings(node, node.get("ci"))
 
@@ -380,16 +384,16 @@ def trained_method_config(draft_dir: Path | str | None) -> dict[str, Any] | None
         raise ValueError(f"{path}: not a training config with a 'method' block ({exc})") from exc
 
 
-def _trained_part(trained: dict[str, Any] | None, *, is_student: bool, wraps_student: bool) -> dict | None:
+def _trained_part(trained: dict[str, Any] | None, *, is_base: bool, wraps_base: bool) -> dict | None:
     """The part of ``trained`` (an artifact's method config) that holds the settings of one axes owner: the
-    draft's own config (a student's, when a wrapper such as Draft-OPD trained it) for the evaluated method or
-    its student; the wrapper's config for a wrapper's own axes, if the draft was trained by one."""
+    draft's own config (a base's, when a wrapper such as Draft-OPD trained it) for the evaluated method or
+    its base; the wrapper's config for a wrapper's own axes, if the draft was trained by one."""
     if trained is None:
         return None
-    draft_own = trained.get("student") or trained
-    if is_student or not wraps_student:
+    draft_own = trained.get("base") or trained
+    if is_base or not wraps_base:
         return draft_own
-    return trained if "student" in trained else None
+    return trained if "base" in trained else None
 
 
 def method_names() -> list[str]:

@@ -39,7 +39,7 @@ CONTINUE_LR = 1e-3
 
 @cache
 def spec(name: str) -> MethodSpec:
-    """The method config with its CPU-test knobs (its ``ci`` block, and its student's): the suite names no
+    """The method config with its CPU-test knobs (its ``ci`` block, and its base's): the suite names no
     method's settings."""
     return MethodSpec.from_name(name, ci=True)
 
@@ -87,7 +87,7 @@ def on_device(batch, device):
 def quick_train(spec: MethodSpec, target, *, steps: int = TRAIN_STEPS, lr: float = TRAIN_LR):
     """A draft built from the config and trained ``steps`` optimizer steps (Adam) by the method's module.
 
-    A method that trains a ``student`` method's draft starts, as it does in use, from the student's own
+    A method that trains a ``base`` method's draft starts, as it does in use, from the base's own
     (quickly trained) draft, and continues it at a fine-tuning rate: ``TRAIN_LR`` is a from-scratch rate,
     and over tiny_random's near-uniform next-token distributions (top probability ~0.005) a few steps at
     it move a trained draft's argmax far enough that nothing is accepted any more.
@@ -100,8 +100,8 @@ def quick_train(spec: MethodSpec, target, *, steps: int = TRAIN_STEPS, lr: float
 
 def _train(spec: MethodSpec, target, *, steps: int, lr: float):
     seqs = sequences(target)
-    if spec.student is not None:
-        draft = copy.deepcopy(quick_train(spec.student, target)).train()
+    if spec.base is not None:
+        draft = copy.deepcopy(quick_train(spec.base, target)).train()
         lr = min(lr, CONTINUE_LR)
     else:
         with torch.random.fork_rng():  # the same initial draft in every process, whatever ran before

@@ -174,9 +174,9 @@ def _drafter_of(name: str) -> tuple:
 
 
 # One method per drafter class on SmolLM2: variants that only change training (a continued draft, an
-# ablation, on-policy training of a student's draft) decode through the same code, which the tiny-target
+# ablation, on-policy training of a base's draft) decode through the same code, which the tiny-target
 # checks above run with each variant's own trained weights.
-_OWN_DRAFT_FIRST = sorted(METHODS, key=lambda m: spec(m).student is not None)
+_OWN_DRAFT_FIRST = sorted(METHODS, key=lambda m: spec(m).base is not None)
 SMOLLM2_METHODS = sorted(m for i, m in enumerate(_OWN_DRAFT_FIRST)
                          if _drafter_of(m) not in {_drafter_of(o) for o in _OWN_DRAFT_FIRST[:i]})
 

@@ -47,7 +47,7 @@ class DraftModelDrafter(Drafter):
         return self.lm
 
     def speculator(self, target) -> DraftLM:
-        """The draft model drafts after any sequence (``decoding.speculator``): SSD's primary."""
+        """The draft model drafts after any sequence (``decoding.speculator``): SSD's base."""
         return self.draft_lm(target)
 
     def reset(self, state: DecodeState) -> None:

@@ -4,17 +4,17 @@ Training alternates two phases over the prompts of the data module (whose batche
 ``refresh_every`` times, so one batch of prompts serves one phase):
 
 - **rollout** (the first step of a phase): every prompt is decoded losslessly by the one engine with the
-  student's own drafter and the current weights (``rollout.rollout``); each verification round becomes an
+  base's own drafter and the current weights (``rollout.rollout``); each verification round becomes an
   ``Anchor`` (accepted path, first rejected node and its suffix, rejected siblings, the verify pass's
   target log-probs over the draft vocabulary);
 - **replay** (every step of the phase): ``sequences_per_step`` rollouts, in a seeded order, are replayed
-  by the student's ``replay`` seam (the draft re-proposes each chain with its own earlier tokens as
+  by the base's ``replay`` seam (the draft re-proposes each chain with its own earlier tokens as
   inputs, with gradients) and scored by the acceptance-aware ``objective.Objective``.
 
 The rollout buffer, its phase and the step counter are part of the checkpoint, so a run killed in the
 middle of a phase resumes with the same anchors and ends with the same weights. Checkpoint format, frozen
-embedding and RNG handling are the student module's (``student`` is the student's own module factory),
-so a Draft-OPD checkpoint loads wherever the student's does.
+embedding and RNG handling are the base module's (``base`` is the base's own module factory),
+so a Draft-OPD checkpoint loads wherever the base's does.
 
 Validation decodes the held-out prompts with the current draft and logs ``val/tau`` (tokens per verify
 round, the quantity the method optimises); ``conf/method/draft_opd.yaml`` names it as the ``monitor``.
@@ -42,14 +42,14 @@ ANCHOR_RULES = ("error", "random", "random_rounds")
 class DraftOPDModule(L.LightningModule):
     """On-policy distillation of any trainable draft (see the module docstring).
 
-    draft              the student's draft (usually continued from an existing artifact).
+    draft              the base's draft (usually continued from an existing artifact).
     target             the frozen target.
-    student            the student method's module factory ``(draft=, target=) -> LightningModule``; only its
-                       checkpoint hooks are used (the format of the student's own checkpoints).
-    drafter            the student's drafter factory ``(draft) -> Drafter``: rollouts decode with it, with
+    base            the base method's module factory ``(draft=, target=) -> LightningModule``; only its
+                       checkpoint hooks are used (the format of the base's own checkpoints).
+    drafter            the base's drafter factory ``(draft) -> Drafter``: rollouts decode with it, with
                        ``rollout_drafter`` (keyword overrides, e.g. ``{tree: fixed}``: a tree sized from timed
                        verify costs would make the rollouts depend on the machine's load) applied.
-    replay             the student's replay seam (``vocab_ids(draft)``, ``features(draft, target, tokens)``,
+    replay             the base's replay seam (``vocab_ids(draft)``, ``features(draft, target, tokens)``,
                        ``logprobs(draft, target, tokens, roots, chains, features)``).
     generation         rollout decoding settings (``GenerationConfig`` fields; T=0 as the official code).
     refresh_every      replay steps per rollout phase (the data module repeats each batch this many times).
@@ -67,7 +67,7 @@ class DraftOPDModule(L.LightningModule):
     max_prompt_tokens  longer prompts are skipped (counted).
     """
 
-    def __init__(self, draft, target=None, *, student, drafter, replay, rollout_drafter: dict | None = None,
+    def __init__(self, draft, target=None, *, base, drafter, replay, rollout_drafter: dict | None = None,
                  generation: dict | None = None,
                  refresh_every: int = 4, sequences_per_step: int = 2, rejected_suffix: bool = True,
                  anchors: str = "error", objective: dict | None = None, max_prompt_tokens: int | None = 1024,
@@ -80,8 +80,8 @@ class DraftOPDModule(L.LightningModule):
             raise ValueError(f"module.anchors must be one of {ANCHOR_RULES}, got '{anchors}'")
         self.draft = draft
         self.target = target  # not an nn.Module attribute: never in state_dict
-        # The student's module, unregistered (its draft is ours): checkpoints are written in its format.
-        object.__setattr__(self, "student_module", student(draft=draft, target=target))
+        # The base's module, unregistered (its draft is ours): checkpoints are written in its format.
+        object.__setattr__(self, "base_module", base(draft=draft, target=target))
         self.drafter_factory = partial(drafter, **dict(rollout_drafter or {}))
         self.replay = replay
         self.generation = GenerationConfig(**{"stop_on_eos": True, **(generation or {})})
@@ -111,7 +111,7 @@ class DraftOPDModule(L.LightningModule):
     def decode(self, prompts: list[list[int]]) -> tuple[list[Rollout], RolloutReport]:
         """Rollouts of ``prompts`` with the current weights, in the target's own precision."""
         was_training = self.draft.training
-        device = next(self.draft.parameters()).device  # any student's draft, not one with a named layer
+        device = next(self.draft.parameters()).device  # any base's draft, not one with a named layer
         try:
             with torch.autocast(device.type, enabled=False), closing(self.drafter_factory(self.draft)) as drafter:
                 return rollout(self.target, drafter, prompts, self.generation, vocab_ids=self.vocab_ids(),
@@ -275,12 +275,12 @@ class DraftOPDModule(L.LightningModule):
         return configure(self, params, self.optimizer_factory, self.schedule_factory, self.total_steps)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.student_module.on_save_checkpoint(checkpoint)
+        self.base_module.on_save_checkpoint(checkpoint)
         checkpoint["draft_opd"] = {"steps_done": self.steps_done, "buffer_phase": self.buffer_phase,
                                    "buffer": [_rollout_state(r) for r in self.buffer]}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.student_module.on_load_checkpoint(checkpoint)
+        self.base_module.on_load_checkpoint(checkpoint)
         state = checkpoint.get("draft_opd")
         if state is not None:
             self.steps_done, self.buffer_phase = int(state["steps_done"]), int(state["buffer_phase"])

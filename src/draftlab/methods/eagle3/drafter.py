@@ -193,7 +193,7 @@ class Eagle3Drafter(Drafter):
         return self.nodes + 1
 
     def speculator(self, target) -> Eagle3Speculator:
-        """The draft drafting past the verified rows on its own states (``speculator.py``): SSD's primary. It has
+        """The draft drafting past the verified rows on its own states (``speculator.py``): SSD's base. It has
         a cache of its own, so this drafter's rounds are not disturbed."""
         self.check_compatible(target)
         self._sync_compute()

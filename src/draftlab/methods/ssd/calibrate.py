@@ -1,7 +1,7 @@
 """Calibrating Saguaro's fan-out on sample prompts: what verification accepts, and how often a cache would hit.
 
-Synchronous speculative decoding with the primary's chains (SSD with a fan-out of 0 and its cache built inline,
-so any primary with a ``speculator`` -- a draft model, EAGLE-3 -- is measured the way SSD runs it) records every
+Synchronous speculative decoding with the base's chains (SSD with a fan-out of 0 and its cache built inline,
+so any base with a ``speculator`` -- a draft model, EAGLE-3 -- is measured the way SSD runs it) records every
 round's outcome ``(j, t)``; the glue pass of the verified state the round was drafted in gives, for the
 position j where verification stopped, the rank of the bonus token t among that position's candidates
 (``saguaro.candidates``: the draft's top tokens without the drafted one). From those:
@@ -16,7 +16,7 @@ position j where verification stopped, the rank of the bonus token t among that 
 composes the SSD method config as a run would and keeps the result under a content key of that source
 (``<artifacts>/ssd_calibration/<key>/calibration.json``), reused when it is there::
 
-    python -m draftlab.methods.ssd.calibrate method.primary.drafter.layers=24 method.primary.drafter.depth=3
+    python -m draftlab.methods.ssd.calibrate method.base.drafter.layers=24 method.base.drafter.depth=3
     python -m draftlab.methods.ssd.calibrate method=ssd_eagle3 draft_path=<artifacts>/eagle3/<key>/draft \
         --temperature 0.7 --out calibration/eagle3_t07.json
 """
@@ -50,7 +50,7 @@ def fit_power(miss: dict[int, float]) -> float:
 
 class _Outcomes(SpeculationCache):
     """A cache that builds only the glue pass (fan-out 0: no branches, every round a miss, i.e. synchronous
-    speculative decoding with the primary's chains) and, at each lookup, records where verification stopped and
+    speculative decoding with the base's chains) and, at each lookup, records where verification stopped and
     the rank of the bonus among that position's candidates, from the glue pass of the verified state the round
     was drafted in."""
 
@@ -76,13 +76,13 @@ class _Outcomes(SpeculationCache):
         return None
 
 
-def measure(target, primary, prompts: list[list[int]], *, depth: int, temperature: float, max_new_tokens: int = 128,
+def measure(target, base, prompts: list[list[int]], *, depth: int, temperature: float, max_new_tokens: int = 128,
             seed: int = 0, max_width: int = 8, source: dict | None = None) -> Calibration:
-    """Decode ``prompts`` with the primary's chains of ``depth`` (any drafter with a ``speculator``: a draft
+    """Decode ``prompts`` with the base's chains of ``depth`` (any drafter with a ``speculator``: a draft
     model, EAGLE-3) and measure the outcomes (module docstring)."""
     from draftlab.methods.ssd.drafter import SSDDrafter
 
-    ssd = SSDDrafter(primary=primary, depth=depth, fanout="uniform", width=0, worker="inline")
+    ssd = SSDDrafter(base=base, depth=depth, fanout="uniform", width=0, worker="inline")
     ssd._start(target)
     cache = ssd.worker.cache = _Outcomes(ssd.worker.cache.speculator)
     with closing(ssd):
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> Path:
     from draftlab.tracking import weights_sha256
     from draftlab.utils.hashing import content_key
 
-    ap = argparse.ArgumentParser(description="Calibrate SSD's geometric fan-out for the primary of an SSD config.")
+    ap = argparse.ArgumentParser(description="Calibrate SSD's geometric fan-out for the base of an SSD config.")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--prompts", type=int, default=16, help="ShareGPT first user turns (not the benchmark's)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> Path:
             raise ValueError(f"method '{spec.name}' drafts with a trained draft: pass draft_path=DIR")
         draft = spec.load(Path(str(cfg.draft_path)).expanduser(), target).to(target.dtype).eval()
     ssd = spec.build_drafter(draft) if spec.trainable else spec.build_drafter()
-    ssd.close()  # only its primary and depth are used
+    ssd.close()  # only its base and depth are used
     sharegpt = Path(str(cfg.paths.shared_data)) / "conversations" / "sharegpt_v3_first5000.jsonl"
-    primary_cfg = {k: v for k, v in spec.resolved()["primary"].items() if k not in ("label", "ci")}
+    base_cfg = {k: v for k, v in spec.resolved()["base"].items() if k not in ("label", "ci")}
     source = {"target": str(getattr(target, "name", cfg.target.get("name"))), "method": spec.name,
-              "primary": primary_cfg, "draft_sha256": None if draft is None else weights_sha256(draft),
+              "base": base_cfg, "draft_sha256": None if draft is None else weights_sha256(draft),
               "depth": ssd.depth, "temperature": args.temperature,
               "prompts": f"ShareGPT first user turns, first {args.prompts} of <= {args.max_prompt_tokens} tokens",
               "max_new_tokens": args.max_new_tokens}
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> Path:
             return out
     prompts = sharegpt_prompts(sharegpt, target.tokenizer, args.prompts, args.max_prompt_tokens)
     with torch.inference_mode():
-        cal = measure(target, ssd.primary, prompts, depth=ssd.depth, temperature=args.temperature,
+        cal = measure(target, ssd.base, prompts, depth=ssd.depth, temperature=args.temperature,
                       max_new_tokens=args.max_new_tokens, source=source)
     cal.save(out)
     print(f"{out}: {cal.rounds} rounds, a = {cal.accept:.3f}, r = {cal.power:.3f}")

@@ -19,7 +19,7 @@ class Calibration:
     power: float  # r of 1 - p_hit(F) = F^-r
     rounds: int
     outcomes: list[tuple[int, int]] = field(default_factory=list)  # (j, rank of the bonus among j's candidates)
-    source: dict = field(default_factory=dict)  # what was measured: target, primary, prompts
+    source: dict = field(default_factory=dict)  # what was measured: target, base, prompts
 
     def miss_rate(self, width: int) -> float:
         """1 - p_hit of a uniform fan-out ``width`` over the measured outcomes."""

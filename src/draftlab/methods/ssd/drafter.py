@@ -1,13 +1,13 @@
 """SSD / Saguaro (Kumar, Dao, May, ICLR 2026): speculative speculative decoding.
 
 Ordinary speculative decoding alternates: the draft waits while the target verifies, the target waits while
-the draft drafts. Here the primary speculator's copy in a worker (``worker.py``) builds, *while the engine
+the draft drafts. Here the base speculator's copy in a worker (``worker.py``) builds, *while the engine
 verifies round T*, a next chain for each likely outcome ``(j accepted, bonus t)`` of that round
 (``cache.py``, fan-outs and sampling in ``saguaro.py``). Each round:
 
 1. ``propose``: the outcome of the last round (``update`` keeps it) is looked up in the cache the worker
    built meanwhile. Hit: the cached chain, with no drafting at all. Miss (or the first round of a sequence):
-   the backup -- ``jit``: the primary drafts now; ``fast``: a cheap deterministic drafter (prompt lookup).
+   the backup -- ``jit``: the base drafts now; ``fast``: a cheap deterministic drafter (prompt lookup).
    The worker is then asked to build the cache for this chain, and ``propose`` returns it to the engine.
 2. The engine verifies (the one verifier); the worker builds in parallel.
 3. ``update``: the outcome ``(j, t)`` is the next key.
@@ -37,21 +37,21 @@ FANOUTS = ("uniform", "geometric")
 
 
 class SSDDrafter(Drafter):
-    """draft           a trained primary's draft (``conf/method/ssd_eagle3.yaml``): ``primary`` is then the factory
+    """draft           a trained base's draft (``conf/method/ssd_eagle3.yaml``): ``base`` is then the factory
                     of its drafter, called with it.
-    primary         the speculator's drafter (a nested method's: ``Drafter.speculator`` must not be None).
+    base         the speculator's drafter (a nested method's: ``Drafter.speculator`` must not be None).
     depth           tokens per chain (K).
     fanout          ``uniform`` (``width`` candidates per outcome position) or ``geometric`` (a ``budget``
                     spread by ``accept`` a and ``power`` r, Saguaro's Thm 12; ``calibration``: the path of a
                     measured ``calibration.Calibration``, whose a and r are used instead).
     scale           Saguaro's C in (0, 1]: 1 is plain sampling from q.
-    backup          ``jit`` (the primary drafts on a miss) or ``fast`` (``fast``, a deterministic drafter).
+    backup          ``jit`` (the base drafts on a miss) or ``fast`` (``fast``, a deterministic drafter).
     worker          ``process`` (its own process, ``worker_threads`` threads, on ``worker_cpus``), ``inline``, or
                     ``none``: no cache, every round is the backup -- synchronous speculative decoding with the
-                    same primary and the same sampling (the baseline SSD is measured against).
+                    same base and the same sampling (the baseline SSD is measured against).
     """
 
-    def __init__(self, draft=None, *, primary: Drafter, depth: int = 4, fanout: str = "uniform", width: int = 3,
+    def __init__(self, draft=None, *, base: Drafter, depth: int = 4, fanout: str = "uniform", width: int = 3,
                  budget: int = 12, accept: float = 0.6, power: float = 1.0, calibration: str | None = None,
                  scale: float = 1.0,
                  backup: str = "jit", fast: Drafter | None = None, worker: str = "process", worker_threads: int = 1,
@@ -63,9 +63,9 @@ class SSDDrafter(Drafter):
             raise ValueError(f"scale (Saguaro's C) must be in (0, 1], got {scale}")
         if backup == "fast" and fast is None:
             raise ValueError("backup 'fast' needs a fast drafter (drafter.fast)")
-        if draft is not None:  # a trained primary: its drafter is built around the run's draft
-            primary = primary(draft)
-        self.primary, self.fast, self.depth = primary, fast, int(depth)
+        if draft is not None:  # a trained base: its drafter is built around the run's draft
+            base = base(draft)
+        self.base, self.fast, self.depth = base, fast, int(depth)
         if calibration is not None:  # a measured a and r replace the configured ones
             from draftlab.methods.ssd.calibration import Calibration
 
@@ -93,16 +93,16 @@ class SSDDrafter(Drafter):
         return 1 + self.depth
 
     def taps(self, target) -> list[int] | None:
-        return self.primary.taps(target)  # a feature primary (EAGLE-3) reads the verified tokens' features
+        return self.base.taps(target)  # a feature base (EAGLE-3) reads the verified tokens' features
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def _start(self, target) -> None:
-        if not isinstance(self.primary, Speculates):
-            raise ValueError(f"SSD's primary {type(self.primary).__name__} cannot draft after an unverified "
+        if not isinstance(self.base, Speculates):
+            raise ValueError(f"SSD's base {type(self.base).__name__} cannot draft after an unverified "
                              "outcome (it has no speculator(target): decoding.speculator.Speculates); use a "
-                             "primary that can, e.g. method@method.primary=draft_model")
-        speculator = self.primary.speculator(target)
+                             "base that can, e.g. method@method.base=draft_model")
+        speculator = self.base.speculator(target)
         self._speculator = speculator
         if self.worker_kind == "none":
             return
