@@ -315,7 +315,7 @@ def test_training_on_cpu_runs_the_blockwise_attention_and_chunked_loss_by_defaul
     the chunked soft cross-entropy on CPU: the conformance suite's pinned losses are trained through them."""
     from draftlab.kernels import soft_cross_entropy as ce_kernel
     from draftlab.kernels import ttt_attention as kernel
-    from draftlab.methods.eagle3.metrics import TTTStep
+    from draftlab.methods.eagle3.ttt_training import TTTStep
 
     calls, losses = [], []
     original, original_ce = kernel._Blockwise.apply, ce_kernel._ChunkedSoftCE.apply

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from draftlab.methods.eagle3.data import Eagle3DataModule
-from draftlab.methods.eagle3.metrics import TTTStep
 from draftlab.methods.eagle3.module import Eagle3Module
+from draftlab.methods.eagle3.ttt_training import TTTStep
 from tests.methods.test_eagle3_module import make_draft, make_samples
 
 

@@ -22,17 +22,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import torch
 
 from draftlab.methods.confu.config import ConFuConfig
 from draftlab.methods.confu.contemplate import contemplate
 from draftlab.methods.confu.model import ConFuDraft, FutureTTTAttention, future_visibility
-from draftlab.methods.eagle3.metrics import TTTHooks, TTTMetrics, TTTStep
 from draftlab.methods.eagle3.module import load_draft_checkpoint, save_draft_checkpoint
 from draftlab.methods.eagle3.ttt import TTTOutput
+from draftlab.methods.eagle3.ttt_training import TTTTraining
 from draftlab.targets.base import PassRequest
-from draftlab.training.schedule import configure
 
 
 def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, num_anchors: int, *,
@@ -62,48 +60,32 @@ def sample_lags(anchors: torch.Tensor, max_lag: int, *, generator: torch.Generat
     return torch.minimum(lags, anchors.clamp(min=0))
 
 
-class ConFuModule(TTTHooks, L.LightningModule):
+class ConFuModule(TTTTraining):
     """Trains a :class:`ConFuDraft` (draft, soft prompts, both MoEs) against a frozen target.
 
-    Composes what EAGLE-3 training is made of (``TTTStep``, ``TTTMetrics``, the partial optimiser and
-    schedule, the draft-checkpoint helpers) with ConFu's own target pass B and future keys.
+    EAGLE-3's training (``ttt_training.TTTTraining``: the TTT settings, steps, metrics, optimiser; the
+    draft-checkpoint helpers) with ConFu's own target pass B and future keys.
 
     num_anchors  K_train, contemplate rows per sequence.
     max_con_lag  the ``[con]`` MoE key is the target feature ``lag`` positions before the anchor, lag
                  uniform in ``[1, max_con_lag]`` (at inference: the round's accept length).
     confu_lr     learning rate of the ConFu parameters (soft prompts, MoEs, ``fc_f``); None = the optimiser's.
-    ttt_length / ttt_curriculum / val_ttt_length / step_weight / normalization / optimizer / schedule as
-    ``Eagle3Module``.
+    **ttt        the TTT settings, optimiser and schedule, as ``Eagle3Module``'s.
     """
 
     def __init__(self, draft: ConFuDraft, target=None, *, num_anchors: int = 64, max_con_lag: int = 4,
-                 confu_lr: float | None = None, ttt_length: int = 7, step_weight: float = 0.8,
-                 normalization: str = "batch_tokens", optimizer=None, schedule=None,
-                 total_steps: int | None = None, ttt_curriculum=None, val_ttt_length: int | None = None,
-                 attention: str = "auto", cross_entropy: str = "auto"):
-        super().__init__()
+                 confu_lr: float | None = None, **ttt):
         if not isinstance(draft, ConFuDraft):
             raise TypeError(f"ConFuModule trains a ConFuDraft, got {type(draft).__name__}")
         if target is None:
             raise ValueError("ConFu trains with the target in the loop: contemplate rows need its KV cache")
         if num_anchors < 1 or max_con_lag < 1:
             raise ValueError(f"need num_anchors >= 1 and max_con_lag >= 1, got {num_anchors}, {max_con_lag}")
-        self.draft = draft
-        self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
-        self.ttt = TTTStep(ttt_length, step_weight, normalization, attention, cross_entropy, ttt_curriculum,
-                           val_ttt_length)
-        self.metrics = TTTMetrics(step_weight)
-        self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
-        self.schedule_factory = schedule
-        self.total_steps = total_steps
+        super().__init__(draft, target, **ttt)
         self.num_anchors = num_anchors
         self.max_con_lag = max_con_lag
         self.confu_lr = confu_lr
         self.save_hyperparameters(ignore=["draft", "target", "optimizer", "schedule"])
-
-    @property
-    def ttt_length(self) -> int:
-        return self.ttt.ttt_length
 
     def loss(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
         """The TTT output (loss + per-step statistics) of ``batch``, anchors sampled."""
@@ -142,15 +124,15 @@ class ConFuModule(TTTHooks, L.LightningModule):
                                        impl=self.ttt.attention)
         return self.ttt(draft, ids, aux, logits, loss_mask, attn, attention=attention, row_mask=visible.any(-1))
 
-    # ---- optimisation ----------------------------------------------------------------------------------
+    # ---- optimisation: the ConFu parameters may take their own learning rate -------------------------
 
-    def configure_optimizers(self):
-        params = [p for p in self.draft.parameters() if p.requires_grad]
-        if self.confu_lr is not None:
-            confu = {id(p) for p in self.draft.confu_parameters()}
-            params = [{"params": [p for p in params if id(p) not in confu]},
-                      {"params": [p for p in params if id(p) in confu], "lr": self.confu_lr}]
-        return configure(self, params, self.optimizer_factory, self.schedule_factory, self.total_steps)
+    def trained_parameters(self):
+        params = super().trained_parameters()
+        if self.confu_lr is None:
+            return params
+        confu = {id(p) for p in self.draft.confu_parameters()}
+        return [{"params": [p for p in params if id(p) not in confu]},
+                {"params": [p for p in params if id(p) in confu], "lr": self.confu_lr}]
 
     # ---- checkpoints: the draft (frozen embedding dropped) and its ConFu config ------------------------
 

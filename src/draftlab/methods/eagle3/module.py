@@ -12,10 +12,9 @@ Checkpoints hold the draft only: the target is a plain attribute (never register
 is non-persistent, and the frozen embedding copy is dropped on save and restored from the target on
 load. ``eagle3_config`` is stored next to the weights so a checkpoint can be exported on its own.
 
-The module is a thin composition of shared components: ``metrics.TTTStep`` (the unrolled loss),
-``metrics.TTTMetrics`` (train/val logging; the best checkpoint is chosen on ``val/simulated_tau``), the
-``_partial_`` optimiser and schedule (``draftlab.training.schedule``) and the frozen-embedding checkpoint
-helpers below, which ConFu composes the same way.
+The module is EAGLE-3's target features on top of ``ttt_training.TTTTraining`` (the unrolled loss's settings,
+the Lightning steps, train/val logging with the best checkpoint chosen on ``val/simulated_tau``, the
+``_partial_`` optimiser and schedule), plus the frozen-embedding checkpoint helpers below, which ConFu takes too.
 """
 
 from __future__ import annotations
@@ -23,56 +22,29 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import lightning as L
 import torch
 
 from draftlab.methods.eagle3.config import Eagle3Config
-from draftlab.methods.eagle3.metrics import TTTHooks, TTTMetrics, TTTStep
 from draftlab.methods.eagle3.model import Eagle3Draft
+from draftlab.methods.eagle3.ttt_training import TTTTraining
 from draftlab.targets.base import PassRequest
-from draftlab.training.schedule import configure
 
 _EMBED_KEY = "draft.embed_tokens.weight"
 
 
-class Eagle3Module(TTTHooks, L.LightningModule):
+class Eagle3Module(TTTTraining):
     """Trains an :class:`Eagle3Draft` with TTT against a frozen target (see the module docstring).
 
-    draft          the draft (embedding already copied from the target, vocab mapping installed).
-    target         a ``draftlab.targets.Target`` for online batches (and the LM head of offline ones);
-                   may be None when every batch is offline and ``target_lm_head`` is given.
-    ttt_length     K unrolled steps; ``step_weight`` ** k weights step k; ``normalization`` is
-                   ``batch_tokens`` (EAGLE/SpecForge) or ``mask_sum`` (speculators).
-    ttt_curriculum ``[[until_fraction, length], ...]``: shorter unrolls for the first fractions of the run
-                   (``metrics.TTTStep``); ``val_ttt_length`` the unroll of validation (default ``ttt_length``).
-    optimizer      a partial ``torch.optim`` constructor (Hydra ``_partial_: true``): the config's (AdamW 1e-4,
-                   betas (0.9, 0.95), wd 0 as SpecForge/EAGLE in conf/method/eagle3.yaml), required to fit.
-    schedule       a partial LR schedule (``draftlab.training.schedule``); default warm-up 1.5 % + cosine.
-    attention      the TTT attention's kernel (``draftlab.kernels.ttt_attention``; ``auto``: Triton on CUDA, blockwise
-                   elsewhere); ``cross_entropy`` the loss's (``draftlab.kernels.soft_cross_entropy``). Neither
-                   changes the loss, so neither enters the training key.
+    draft           the draft (embedding already copied from the target, vocab mapping installed).
+    target          a ``draftlab.targets.Target`` for online batches (and the LM head of offline ones);
+                    may be None when every batch is offline and ``target_lm_head`` is given.
+    **ttt           the TTT settings, optimiser and schedule (``ttt_training.TTTTraining``).
     """
 
-    def __init__(self, draft: Eagle3Draft, target=None, *, ttt_length: int = 7, step_weight: float = 0.8,
-                 normalization: str = "batch_tokens", optimizer=None, schedule=None,
-                 total_steps: int | None = None, ttt_curriculum=None, val_ttt_length: int | None = None,
-                 target_lm_head: torch.Tensor | None = None,
-                 attention: str = "auto", cross_entropy: str = "auto"):
-        super().__init__()
-        self.draft = draft
-        self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
-        self.ttt = TTTStep(ttt_length, step_weight, normalization, attention, cross_entropy, ttt_curriculum,
-                           val_ttt_length)
-        self.metrics = TTTMetrics(step_weight)
-        self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
-        self.schedule_factory = schedule
-        self.total_steps = total_steps
+    def __init__(self, draft: Eagle3Draft, target=None, *, target_lm_head: torch.Tensor | None = None, **ttt):
+        super().__init__(draft, target, **ttt)
         self.register_buffer("target_lm_head", lm_head_weight(target, target_lm_head), persistent=False)
         self.save_hyperparameters(ignore=["draft", "target", "target_lm_head", "optimizer", "schedule"])
-
-    @property
-    def ttt_length(self) -> int:
-        return self.ttt.ttt_length
 
     # ---- features --------------------------------------------------------------------------------------
 
@@ -99,12 +71,6 @@ class Eagle3Module(TTTHooks, L.LightningModule):
         """The TTT output (loss + per-step statistics) of ``batch``."""
         aux, logits = self.target_features(batch)
         return self.ttt(self.draft, batch["input_ids"], aux, logits, batch["loss_mask"], batch["attention_mask"])
-
-    # ---- optimisation ----------------------------------------------------------------------------------
-
-    def configure_optimizers(self):
-        params = [p for p in self.draft.parameters() if p.requires_grad]
-        return configure(self, params, self.optimizer_factory, self.schedule_factory, self.total_steps)
 
     # ---- checkpoints: draft only, plus what a bit-exact resume needs -----------------------------------
 

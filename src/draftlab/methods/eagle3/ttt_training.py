@@ -1,9 +1,11 @@
-"""The training-time-test step and its metrics, as components any TTT-trained method composes.
+"""Training-time test as one training component: the LightningModule EAGLE-3 and ConFu are both built on.
 
-``TTTStep`` holds the TTT settings and runs ``ttt.ttt_forward``; ``TTTMetrics`` logs a step's per-TTT-step
-statistics and aggregates validation over the whole split (numerators and denominators summed, across
-ranks too, before dividing). EAGLE-3 and ConFu both train this way; ConFu only hands the step its own
-attention (future keys) and row mask.
+``TTTTraining`` takes the TTT settings once (the ``module`` block's ``ttt_length``, ``step_weight``, ...,
+``optimizer``, ``schedule``) and runs the Lightning steps: each training step unrolls the curriculum's length,
+validation ``val_ttt_length``. A method subclasses it and supplies ``loss(batch) -> TTTOutput`` (ConFu hands the
+step its own attention over future keys and a row mask). Its parts: ``TTTStep`` holds the settings and runs
+``ttt.ttt_forward``; ``TTTMetrics`` logs a step's per-TTT-step statistics and aggregates validation over the
+whole split (numerators and denominators summed, across ranks too, before dividing).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import lightning as L
 import torch
 
 from draftlab.methods.eagle3.ttt import NORMALIZATIONS, TTTAttention, TTTOutput, ttt_forward
 from draftlab.nn import simulated_tau
+from draftlab.training.schedule import configure
 
 _SUMMED = ("correct", "count", "cond_correct", "cond_count", "accept_sum", "loss_sum", "loss_denom")
 
@@ -41,7 +45,7 @@ class TTTStep:
     run unroll ``length`` steps (the first phase that applies), the rest ``ttt_length``: cheap short
     unrolls over many tokens first, the full length last. ``val_ttt_length`` (default ``ttt_length``) is
     the unroll of validation, so runs trained with different lengths are judged on the same chain.
-    ``TTTHooks`` sets the length of each step (``use``) before the module computes its loss.
+    ``TTTTraining`` sets the length of each step (``use``) before the module computes its loss.
     """
 
     ttt_length: int = 7
@@ -143,10 +147,53 @@ class TTTMetrics:
         self._val = None
 
 
-class TTTHooks:
-    """The Lightning step hooks of a module trained by TTT: mix into a ``LightningModule`` that has
-    ``loss(batch) -> TTTOutput``, a ``ttt: TTTStep``, ``total_steps`` and a ``metrics: TTTMetrics`` (EAGLE-3
-    and ConFu do). Each training step unrolls the curriculum's length, validation ``val_ttt_length``."""
+class TTTTraining(L.LightningModule):
+    """A draft trained by TTT against a frozen target; subclasses define ``loss(batch) -> TTTOutput``.
+
+    draft          the draft being trained; ``target`` the frozen target (a plain attribute: never in
+                   ``state_dict``, never wrapped by DDP/FSDP), None where every batch is offline.
+    ttt_length     K unrolled steps; ``step_weight`` ** k weights step k; ``normalization`` is
+                   ``batch_tokens`` (EAGLE/SpecForge) or ``mask_sum`` (speculators).
+    ttt_curriculum ``[[until_fraction, length], ...]``: shorter unrolls for the first fractions of the run
+                   (``TTTStep``); ``val_ttt_length`` the unroll of validation (default ``ttt_length``).
+    optimizer      a partial ``torch.optim`` constructor (Hydra ``_partial_: true``): the method config's,
+                   required to fit; ``schedule`` a partial LR schedule (``draftlab.training.schedule``).
+    attention      the TTT attention's kernel (``draftlab.kernels.ttt_attention``; ``auto``: Triton on CUDA,
+                   blockwise elsewhere); ``cross_entropy`` the loss's (``draftlab.kernels.soft_cross_entropy``).
+                   Neither changes the loss, so neither enters the training key.
+    """
+
+    def __init__(self, draft, target=None, *, ttt_length: int = 7, step_weight: float = 0.8,
+                 normalization: str = "batch_tokens", optimizer=None, schedule=None, total_steps: int | None = None,
+                 ttt_curriculum=None, val_ttt_length: int | None = None, attention: str = "auto",
+                 cross_entropy: str = "auto"):
+        super().__init__()
+        self.draft = draft
+        self.target = target
+        self.ttt = TTTStep(ttt_length, step_weight, normalization, attention, cross_entropy, ttt_curriculum,
+                           val_ttt_length)
+        self.metrics = TTTMetrics(step_weight)
+        self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
+        self.schedule_factory = schedule
+        self.total_steps = total_steps
+
+    @property
+    def ttt_length(self) -> int:
+        return self.ttt.ttt_length
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
+        raise NotImplementedError
+
+    def trained_parameters(self):
+        """The parameters the optimiser steps (one group; a method with several learning rates overrides
+        ``configure_optimizers``)."""
+        return [p for p in self.draft.parameters() if p.requires_grad]
+
+    def configure_optimizers(self):
+        return configure(self, self.trained_parameters(), self.optimizer_factory, self.schedule_factory,
+                         self.total_steps)
+
+    # ---- Lightning steps: each training step unrolls the curriculum's length, validation val_ttt_length ----
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.ttt.curriculum:
