@@ -101,7 +101,7 @@ def test_compose_and_instantiate(group, name, tmp_path, monkeypatch):
             spec_m.axes()
             if spec_m.trainable:
                 assert callable(instantiate(spec_m.block("drafter"))) and callable(instantiate(spec_m.block("module")))
-            for bspec in baseline_specs(cfg, has_draft=spec_m.trainable).values():
+            for bspec in baseline_specs(cfg, spec_m, has_draft=spec_m.trainable).values():
                 bspec.axes()
                 if bspec.trainable:  # drafts from the run's draft: its factory must compose
                     assert callable(instantiate(bspec.block("drafter")))

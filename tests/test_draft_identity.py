@@ -1,4 +1,5 @@
-"""An eval record names the draft it measured: weights hash (stable across save/load) and training step."""
+"""An eval record names the draft it measured: weights hash (stable across save/load) and training step; the run
+reads the draft directory once and builds its method's ``MethodSpec`` once."""
 
 from __future__ import annotations
 
@@ -70,8 +71,16 @@ def test_eval_record_names_the_draft_and_the_commit(tmp_path, monkeypatch, share
     monkeypatch.setattr(artifact, "draft_step", counted("step", tracking.draft_step))
     monkeypatch.setattr(tracking, "draft_step", counted("step", tracking.draft_step))
     monkeypatch.setattr(registry, "trained_method_config", counted("config", registry.trained_method_config))
+    built, init = [], MethodSpec.__init__  # every MethodSpec made: the run's method is built once, then passed
+
+    def counted_init(self, cfg):
+        built.append(str(cfg.get("name")))
+        init(self, cfg)
+
+    monkeypatch.setattr(MethodSpec, "__init__", counted_init)
     record = run_pipeline(_cfg(tmp_path, "method=eagle3", f"draft_path={draft_dir}"), stage="eval")
     assert sorted(reads) == ["config", "draft", "step"]
+    assert built.count("eagle3") == 1, built
     assert record["draft"] == {"path": str(draft_dir), "sha256": tracking.weights_sha256(draft), "step": 120}
     assert json.loads((tmp_path / "record.json").read_text())["draft"] == record["draft"]
     # An eval-only job still names its commit and whether the tree was dirty.

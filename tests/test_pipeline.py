@@ -16,6 +16,12 @@ from tests.test_configs import _compose
 BASE = ["experiment=tiny", "logger=csv", "bench.limit=2", "eval.max_new_tokens=12"]
 
 
+def _spec(cfg):
+    from draftlab.methods.registry import MethodSpec
+
+    return MethodSpec(cfg.method)
+
+
 def _cfg(tmp_path, *overrides, experiment: str = "tiny"):
     # experiment=tiny carries EAGLE-3-family knobs; training-free methods compose tiny_base.
     base = [f"experiment={experiment}", *BASE[1:]]
@@ -259,10 +265,11 @@ def test_continue_training_from_an_existing_draft(tmp_path, tiny_target):
     cfg = _cfg(tmp_path, "method=eagle3", f"method.draft.init.from={draft_dir}")
     built = _build_draft(cfg, tiny_target, vocab=None)
     assert torch.equal(built.fc.weight, start.fc.weight) and torch.equal(built.d2t, start.d2t)
-    assert train_key(cfg, "data") != train_key(_cfg(tmp_path, "method=eagle3"), "data")
+    plain = _cfg(tmp_path, "method=eagle3")
+    assert train_key(cfg, "data", _spec(cfg)) != train_key(plain, "data", _spec(plain))
     # The default init leaves keys of earlier runs unchanged.
-    assert train_key(_cfg(tmp_path, "method=eagle3", "method.draft.init.from=null"), "data") == \
-        train_key(_cfg(tmp_path, "method=eagle3"), "data")
+    unset = _cfg(tmp_path, "method=eagle3", "method.draft.init.from=null")
+    assert train_key(unset, "data", _spec(unset)) == train_key(plain, "data", _spec(plain))
     with pytest.raises(ValueError, match="disagrees"):
         _build_draft(_cfg(tmp_path, "method=eagle3", f"method.draft.init.from={draft_dir}", "method.draft.num_layers=2"),
                      tiny_target, vocab=None)
@@ -314,18 +321,18 @@ def test_tapped_layers_are_a_method_setting_outside_the_regeneration_key(tmp_pat
 
     _env(monkeypatch, tmp_path, shared_data)
     cfg = _cfg(tmp_path, "method=eagle3")
-    first = run_data_stage(cfg)
+    first = run_data_stage(cfg, _spec(cfg))
     moved = _cfg(tmp_path, "method=eagle3", "method.taps=[0,1,1]", "target.layer_convention=output_of")
     calls = []
     import draftlab.stages.data as data_stage
 
     real = data_stage.regenerate
     monkeypatch.setattr(data_stage, "regenerate", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
-    second = run_data_stage(moved)
+    second = run_data_stage(moved, _spec(moved))
     assert second.data_key == first.data_key and second.regen_path == first.regen_path
     # Nothing regenerated: every conversation was already done.
     assert calls and calls[0].new_tokens == 0 and calls[0].resumed_done == calls[0].input
-    assert train_key(moved, first.data_key) != train_key(cfg, first.data_key)
+    assert train_key(moved, first.data_key, _spec(moved)) != train_key(cfg, first.data_key, _spec(cfg))
     # The draft built for the moved taps reads those layers.
     from draftlab.methods.registry import MethodSpec
 

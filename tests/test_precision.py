@@ -20,6 +20,12 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, cpuinfo, native):
     assert P.native_bf16_cpu(tmp_path / "missing") is False
 
 
+def _spec(cfg):
+    from draftlab.methods.registry import MethodSpec
+
+    return MethodSpec(cfg.method)
+
+
 def test_auto_resolves_per_machine_and_leaves_explicit_values(monkeypatch):
     monkeypatch.setattr(P, "native_bf16_cpu", lambda: False)
     assert P.resolve_precision("auto") == "32-true"
@@ -37,11 +43,11 @@ def test_the_training_key_holds_the_resolved_precision(monkeypatch, tmp_path):
     cfg = _compose(["experiment=quickstart"], tmp_path)
     monkeypatch.setattr(P, "native_bf16_cpu", lambda: False)
     assert cfg.trainer.precision == "32-true"  # the config's resolver, read by Lightning and the key alike
-    fp32_key = train_key(cfg, "data")
+    fp32_key = train_key(cfg, "data", _spec(cfg))
     explicit = OmegaConf.merge(cfg, {"trainer": {"precision": "32-true"}})
-    assert train_key(explicit, "data") == fp32_key  # auto on this CPU is the same run as asking for fp32
+    assert train_key(explicit, "data", _spec(explicit)) == fp32_key  # auto on this CPU is the same run as asking for fp32
     monkeypatch.setattr(P, "native_bf16_cpu", lambda: True)
     assert cfg.trainer.precision == "bf16-mixed"
-    assert train_key(cfg, "data") != fp32_key
+    assert train_key(cfg, "data", _spec(cfg)) != fp32_key
     auto = OmegaConf.merge(cfg, {"trainer": {"precision": "auto"}})  # trainer.precision=auto on the command line
-    assert train_key(auto, "data") == train_key(cfg, "data")
+    assert train_key(auto, "data", _spec(auto)) == train_key(cfg, "data", _spec(cfg))

@@ -25,10 +25,11 @@ def tokens_per_batch(config: dict) -> float:
     from omegaconf import OmegaConf
 
     from draftlab.data.datamodule import ConversationDataModule
+    from draftlab.methods.registry import MethodSpec
     from draftlab.stages.data import run_data_stage
 
     cfg = OmegaConf.create(config)
-    data = run_data_stage(cfg)
+    data = run_data_stage(cfg, MethodSpec(cfg.method))
     m = cfg.method.data
     dm = ConversationDataModule(data.samples, batch_size=int(m.batch_size), val_fraction=float(m.val_fraction))
     dm.setup("fit")

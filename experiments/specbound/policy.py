@@ -39,7 +39,7 @@ def held_out_scores(cfg, heads, target, alphas, max_batches: int | None):
     from draftlab.stages.data import run_data_stage
 
     spec = MethodSpec(cfg.method)
-    data = run_data_stage(cfg, target)
+    data = run_data_stage(cfg, spec, target)
     dm = spec.build_datamodule(data.samples, features=None, pad_token_id=target.tokenizer.pad_token_id or 0,
                                seed=int(cfg.seed))
     dm.setup("fit")

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from draftlab.data.benchmarks import Question
 from draftlab.decoding.drafter import DecodeState, Drafter, closing_all
 from draftlab.decoding.tree import DraftTree
+from draftlab.methods.registry import MethodSpec
 from draftlab.stages import evaluate as stage
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -73,11 +74,11 @@ def test_evaluate_closes_the_drafter_and_baselines(tiny_target, tmp_path, built,
     drafter = Counted(fail_at)
     cfg = _cfg(tmp_path)
     if fail_at is None:
-        record, _ = stage.evaluate(cfg, tiny_target, drafter, tmp_path)
+        record, _ = stage.evaluate(cfg, tiny_target, drafter, tmp_path, MethodSpec(cfg.method))
         assert record["mismatches_vs_ar"] == 0 and "pld" in record["baselines"]
     else:
         with pytest.raises(RuntimeError, match="drafting failed"):
-            stage.evaluate(cfg, tiny_target, drafter, tmp_path)
+            stage.evaluate(cfg, tiny_target, drafter, tmp_path, MethodSpec(cfg.method))
     assert drafter.proposals >= 1 and drafter.closed == 1
     assert len(built) == 1 and built[0].closed == 1
 

@@ -141,7 +141,7 @@ def test_trainable_baselines_draft_from_the_runs_draft_on_the_targets_device(met
     cfg = compose_train_config(["method=eagle3", "target=tiny_random", "+method@eval.baselines.sfx=eagle3_suffix",
                                 "+method@eval.baselines.pld=prompt_lookup"])
     draft = MethodSpec(cfg.method).load(saved("eagle3"), meta_target)
-    drafters, _ = baseline_drafters(cfg, draft)
+    drafters, _ = baseline_drafters(cfg, MethodSpec(cfg.method), draft)
     learned = drafters["sfx"][0].learned
     assert module_devices(learned.compute_draft) == {META} and learned.rows.device == META
 

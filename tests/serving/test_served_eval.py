@@ -185,15 +185,17 @@ def test_eval_engine_composes_with_served_settings():
 
 
 def test_evaluate_dispatches_on_eval_engine(monkeypatch, tmp_path):
+    from draftlab.methods.registry import MethodSpec
     from draftlab.stages.evaluate import evaluate
 
     calls = []
     monkeypatch.setattr(served, "served_evaluate", lambda *a: calls.append(a) or ({"engine": "vllm"}, {}))
     cfg = _compose(["eval.engine=vllm", "method=eagle3"])
     artifact = object()  # the pipeline's DraftArtifact, passed through untouched
-    assert evaluate(cfg, None, None, tmp_path, artifact=artifact) == ({"engine": "vllm"}, {})
+    spec = MethodSpec(cfg.method)
+    assert evaluate(cfg, None, None, tmp_path, spec, artifact=artifact) == ({"engine": "vllm"}, {})
     assert [a[:4] for a in calls] == [(cfg, None, artifact, tmp_path)]
-    assert calls[0][4].name == "eagle3"  # the method spec, built once and passed down
+    assert calls[0][4] is spec  # the method spec, built once and passed down
 
 
 def test_sglang_not_importable_fails_clearly_with_its_command(tmp_path):

@@ -164,19 +164,26 @@ def test_data_stage_with_auto_reuses_the_8192_vocabulary_map(tmp_path, monkeypat
     """Through the entry points' composition: ``auto`` on the tiny target (the SmolLM2 vocabulary) becomes 8192 in
     the run config, and a run asking for 8192 explicitly finds its vocabulary map instead of building one."""
     import draftlab.data.vocab as vocab_module
-    from draftlab.stages.data import run_data_stage
     from tests.test_configs import _compose
 
     base = ["target=tiny_random", "debug=default", "regen.max_new_tokens=4", "data.sources.sharegpt.limit=4",
             f"paths.artifacts={tmp_path / 'artifacts'}"]
     cfg = _compose(base, tmp_path)
     assert cfg.method.draft_vocab_size == "auto"
-    first = run_data_stage(cfg)
+    first = _data_stage(cfg)
     assert cfg.method.draft_vocab_size == 8192 and first.vocab.d2t.numel() == 8192
 
     def refuse(*args, **kwargs):
         raise AssertionError("the vocabulary map of draft_vocab_size=auto was not reused")
 
     monkeypatch.setattr(vocab_module, "build_vocab_mapping", refuse)
-    explicit = run_data_stage(_compose([*base, "method.draft_vocab_size=8192"], tmp_path))
+    explicit = _data_stage(_compose([*base, "method.draft_vocab_size=8192"], tmp_path))
     assert explicit.data_key == first.data_key and torch.equal(explicit.vocab.d2t, first.vocab.d2t)
+
+
+def _data_stage(cfg):
+    """The data stage for ``cfg``'s method, as the pipeline runs it."""
+    from draftlab.methods.registry import MethodSpec
+    from draftlab.stages.data import run_data_stage
+
+    return run_data_stage(cfg, MethodSpec(cfg.method))

@@ -13,9 +13,10 @@ from draftlab.cli import config_dir, report_user_errors
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from draftlab.methods.registry import MethodSpec
     from draftlab.stages.data import run_data_stage, write_summary
 
-    result = run_data_stage(cfg)
+    result = run_data_stage(cfg, MethodSpec(cfg.method))
     path = write_summary(result, HydraConfig.get().runtime.output_dir)
     print(f"data summary: {path}")
 

@@ -197,17 +197,16 @@ def _prompts(cfg: DictConfig, s: dict[str, Any], tokenizer) -> tuple[str, list[s
     return bench.name, [q.turns[0] for q in (questions if n is None else questions[: int(n)])]
 
 
-def served_evaluate(cfg: DictConfig, target, artifact, run_dir: Path, spec=None
+def served_evaluate(cfg: DictConfig, target, artifact, run_dir: Path, spec
                     ) -> tuple[dict[str, Any], dict[str, float]]:
     """``eval.engine=vllm|sglang``: export the run's draft (``artifact``, a ``methods.artifact.DraftArtifact``;
     the exporters read its directory, as ``draftlab-export`` does), serve it, compare with draftlab's chain of
     each length."""
     from draftlab.export import export_checkpoint
-    from draftlab.methods.registry import MethodSpec
     from draftlab.utils.atomic import atomic_write_text
 
     engine, s = check_engine(cfg), served_settings(cfg)
-    spec, plan = spec or MethodSpec(cfg.method), serve_plan(cfg, engine)
+    plan = serve_plan(cfg, engine)
     draft, draft_dir = (artifact.draft, artifact.dir) if artifact is not None else (None, None)
     if draft is None:
         raise ConfigError(f"eval.engine={engine} serves a trained draft; method '{spec.name}' has none",

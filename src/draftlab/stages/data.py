@@ -78,13 +78,11 @@ class DataStageResult:
         }
 
 
-def run_data_stage(cfg: DictConfig, target=None, spec: MethodSpec | None = None) -> DataStageResult:
+def run_data_stage(cfg: DictConfig, spec: MethodSpec | None, target=None) -> DataStageResult:
     """The data stage; in a multi-process job rank 0 builds every product and the other ranks then load them.
 
-    ``spec``: the run's method (built once by the pipeline; from ``cfg.method`` when run on its own), whose
-    draft vocabulary size decides the vocabulary map."""
-    if spec is None and cfg.get("method"):
-        spec = MethodSpec(cfg.method)
+    ``spec``: the run's method (``MethodSpec(cfg.method)``, built once by the caller; None: no vocabulary map),
+    whose draft vocabulary size decides the vocabulary map."""
     with ranks.main_first("data"):
         return _run_data_stage(cfg, target, spec)
 

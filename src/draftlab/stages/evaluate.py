@@ -50,24 +50,22 @@ def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
     return gen
 
 
-def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, loggers: list | None = None,
-             artifact: DraftArtifact | None = None, spec: MethodSpec | None = None
-             ) -> tuple[dict[str, Any], dict[str, float]]:
+def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, spec: MethodSpec, loggers: list | None = None,
+             artifact: DraftArtifact | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Run ``cfg.bench`` with ``drafter`` and AR; returns (eval record, flat metrics).
     ``artifact``: the run's trained draft, read once by the pipeline (None for a training-free method): its
     draft for trainable baselines, its training config for the axes on training settings; ``spec``: the run's
-    method (built once by the pipeline; from ``cfg.method`` when the stage runs on its own).
+    method (``MethodSpec(cfg.method)``, built once by the pipeline).
 
     The stage owns ``drafter`` and the baselines' drafters it builds: all are closed (``Drafter.close``) when
     it returns, also when decoding raises."""
     from draftlab.eval.served import check_engine, served_evaluate
 
-    spec = spec or MethodSpec(cfg.method)
     with closing_all(drafter):
         if check_engine(cfg) != "draftlab":  # a serving engine: the run's draft exported, served, compared
             return served_evaluate(cfg, target, artifact, run_dir, spec)
         with ExitStack() as stack:
-            baselines, bspecs = baseline_drafters(cfg, artifact.draft if artifact else None, stack, spec)
+            baselines, bspecs = baseline_drafters(cfg, spec, artifact.draft if artifact else None, stack)
             trained = artifact.trained_config if artifact is not None else None
             return _evaluate_here(cfg, target, drafter, run_dir, loggers, trained, baselines, bspecs, spec)
 
@@ -151,10 +149,9 @@ def _reference_scores(bench, questions, res) -> dict[str, dict[str, Any]]:
 
 
 
-def baseline_specs(cfg: DictConfig, *, has_draft: bool, main: MethodSpec | None = None) -> dict[str, MethodSpec]:
+def baseline_specs(cfg: DictConfig, main: MethodSpec, *, has_draft: bool) -> dict[str, MethodSpec]:
     """``eval.baselines`` as (name -> MethodSpec), checked before anything decodes: a trainable baseline
     needs the run to have a draft (``has_draft``) in the artifact format the run's method (``main``) writes."""
-    main = main or MethodSpec(cfg.method)
     specs = {}
     for name, method_cfg in (cfg.eval.get("baselines") or {}).items():
         if method_cfg is None:  # a baseline switched off from the command line (eval.baselines.pld=null)
@@ -174,12 +171,12 @@ def baseline_specs(cfg: DictConfig, *, has_draft: bool, main: MethodSpec | None 
     return specs
 
 
-def baseline_drafters(cfg: DictConfig, draft=None, stack: ExitStack | None = None, main: MethodSpec | None = None
+def baseline_drafters(cfg: DictConfig, main: MethodSpec, draft=None, stack: ExitStack | None = None
                       ) -> tuple[dict[str, tuple[Any, GenerationConfig]], dict[str, MethodSpec]]:
     """``eval.baselines`` as (name -> (drafter, its GenerationConfig)), (name -> MethodSpec). A trainable
     baseline drafts from ``draft``, the run's trained draft. With ``stack`` each drafter is closed when the
     stack unwinds (those built before a failing one too); without it the caller closes them."""
-    specs = baseline_specs(cfg, has_draft=draft is not None, main=main)
+    specs = baseline_specs(cfg, main, has_draft=draft is not None)
     drafters = {}
     for name, bspec in specs.items():
         drafter = bspec.build_drafter(draft) if bspec.trainable else bspec.build_drafter()

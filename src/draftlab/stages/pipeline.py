@@ -62,9 +62,9 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | N
             else:
                 from draftlab.stages.data import run_data_stage
 
-                data = run_data_stage(cfg, target, spec)
+                data = run_data_stage(cfg, spec, target)
                 artifacts["data"] = data.data_key
-                result = train_draft(cfg, target, data, loggers, spec)
+                result = train_draft(cfg, target, data, spec, loggers)
                 draft_dir = result.draft_dir
                 artifacts["train_key"] = result.key
                 train_info = {"key": result.key, "reused": result.reused, "history": result.history,
@@ -91,7 +91,7 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | N
         eval_record = reused = None
         if cfg.eval.enabled:
             def fresh():
-                return evaluate(cfg, target, drafter, run_dir, loggers, artifact=artifact, spec=spec)
+                return evaluate(cfg, target, drafter, run_dir, spec, loggers, artifact=artifact)
 
             eval_record, eval_metrics, reused = _evaluate_or_reuse(cfg, fresh, drafter, run_dir, loggers,
                                                                     draft_id, artifact, code)

@@ -133,11 +133,10 @@ def _validation_follows(trainer, batch_idx: int) -> bool:
     return last or (isinstance(every, int) and (batch_idx + 1) % every == 0)
 
 
-def train_key(cfg: DictConfig, data_key: str, spec: MethodSpec | None = None, target_id: dict | None = None) -> str:
+def train_key(cfg: DictConfig, data_key: str, spec: MethodSpec, target_id: dict | None = None) -> str:
     """Content key of a trained draft (see the module docstring); ``spec``: the run's method, ``target_id``:
-    the data stage's target identity (defaults: from ``cfg``). A ``draft_vocab_size: auto`` must have been
+    the data stage's target identity (default: from ``cfg``). A ``draft_vocab_size: auto`` must have been
     resolved (``MethodSpec.for_target``): the key holds the number."""
-    spec = spec or MethodSpec(cfg.method)
     if spec.needs_vocab_size:  # the key holds the number: `auto` and the number it stands for share one key
         raise ValueError(f"method '{spec.name}': draft_vocab_size 'auto' is not resolved; the training key holds "
                          "the number (MethodSpec.for_target(target))")
@@ -161,14 +160,13 @@ def _callbacks(cfg: DictConfig, root: Path, monitor: str | None) -> tuple[list, 
     return [*callbacks, history, resume], history
 
 
-def train_draft(cfg: DictConfig, target, data, loggers: list | None = None, spec: MethodSpec | None = None
-                ) -> TrainResult:
+def train_draft(cfg: DictConfig, target, data, spec: MethodSpec, loggers: list | None = None) -> TrainResult:
     """Train (or reuse / resume) the draft for ``cfg`` on the data stage's samples; save the best one.
 
     Under several ranks every rank trains; rank 0 alone extracts the offline features (first) and writes the
     summary and the draft (last), the others wait for each and then read them.
     """
-    spec = (spec or MethodSpec(cfg.method)).for_target(target)  # the pipeline builds it once and passes it down
+    spec = spec.for_target(target)  # the pipeline's (already resolved there: a no-op)
     target_id = data.target_id if data.target_id is not None else target_identity(cfg)
     key = train_key(cfg, data.data_key, spec, target_id)
     root = Path(cfg.paths.artifacts) / spec.name / key
