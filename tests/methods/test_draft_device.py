@@ -172,7 +172,7 @@ def test_a_drafter_refuses_a_draft_that_is_not_on_the_targets_device(tiny_target
 # ---- the draft cache and the features of every round ----------------------------------------------------
 
 
-# SSD's feature base keeps its cache in its speculator (the test below).
+# SSD's feature base keeps its cache in its outcome drafter (the test below).
 FEATURE_DRAFTERS = [n for n in TRAINABLE if not n.startswith(("confu", "specbound", "ssd"))]
 
 
@@ -188,16 +188,16 @@ def test_the_draft_cache_is_made_on_the_targets_device_from_features_left_there(
     assert cache.k.device == META and cache.v.device == META
 
 
-def test_the_eagle3_speculator_keeps_its_cache_beside_the_target(meta_target, saved):
+def test_the_eagle3_outcome_drafter_keeps_its_cache_beside_the_target(meta_target, saved):
     # What SSD's worker copy computes every round: the verified rows from features left on the target's device,
     # then drafting rows past them, all on that device.
     s = spec("eagle3")
     drafter = s.build_drafter(s.load(saved("eagle3"), meta_target))
-    speculator = drafter.speculator(meta_target)
+    outcome_drafter = drafter.outcome_drafter(meta_target)
     state = _state(meta_target, _aux(drafter, meta_target, 12))
-    speculator.absorb(speculator.verified(state))
-    z = speculator.glue(state.tokens, [5, 6, 7])  # [4, V]
-    assert speculator.rows.cache.k.device == META and z.device == META and z.shape[0] == 4
+    outcome_drafter.absorb(outcome_drafter.verified(state))
+    z = outcome_drafter.glue(state.tokens, [5, 6, 7])  # [4, V]
+    assert outcome_drafter.rows.cache.k.device == META and z.device == META and z.shape[0] == 4
 
 
 def test_confu_keeps_its_future_token_and_draft_cache_beside_the_target(meta_target, saved):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
+from draftlab.decoding.outcome_drafter import Sampling
 from draftlab.decoding.sampling import logits_to_probs, sample
-from draftlab.decoding.speculator import Sampling
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.draft_model import DraftLM, DraftModelDrafter
 from draftlab.methods.draft_model.model import load_draft_model, truncated_model

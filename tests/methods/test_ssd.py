@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
+from draftlab.decoding.outcome_drafter import Sampling
 from draftlab.decoding.sampling import logits_to_probs
-from draftlab.decoding.speculator import Sampling
 from draftlab.methods.registry import MethodSpec
 from draftlab.methods.ssd import SSDDrafter
-from draftlab.methods.ssd.cache import SpeculationCache
+from draftlab.methods.ssd.cache import OutcomeCache
 from draftlab.methods.ssd.saguaro import (
     Reshaper,
     candidates,
@@ -41,7 +41,7 @@ def test_a_base_that_cannot_speculate_is_refused_by_name(tiny_target):
     from draftlab.decoding.drafter import Drafter
     from draftlab.methods.prompt_lookup import PromptLookupDrafter
 
-    assert not hasattr(Drafter, "speculator")  # the seam every drafter implements does not carry SSD's hook
+    assert not hasattr(Drafter, "outcome_drafter")  # the seam every drafter implements does not carry SSD's hook
     with closing(SSDDrafter(base=PromptLookupDrafter(), worker="inline")) as ssd:
         with pytest.raises(ValueError, match="PromptLookupDrafter cannot draft after an unverified outcome"):
             speculative_generate(tiny_target, UNSEEN_PROMPT[:8], ssd, GenerationConfig(max_new_tokens=4))
@@ -82,18 +82,18 @@ def test_saguaro_reshape_scales_the_top_tokens():
 
 class Checked(SSDDrafter):
     """The real drafter (inline worker, so a cache class can be swapped in) checked against a fresh copy of the
-    base's speculator, kept one round behind (in the verified state the cache was built in). At T = 0,
+    base's outcome_drafter, kept one round behind (in the verified state the cache was built in). At T = 0,
     after every lookup, the whole cache must be the cache of the chain proposed the round
     before: its keys the candidates of that chain's fresh glue pass, each entry the fresh chain after
     ``context + chain[:j] + [t]``; and a served chain must be the fresh chain after the real sequence. At T > 0
     a served chain's reported rows must be the fresh laws (σ-reshaped) of its tokens after the real sequence."""
 
-    cache_cls = SpeculationCache
+    cache_cls = OutcomeCache
 
     def _start(self, target):
         super()._start(target)
-        self.worker.cache = self.cache_cls(self.worker.cache.speculator)
-        self.fresh = self._speculator.portable()()
+        self.worker.cache = self.cache_cls(self.worker.cache.outcome_drafter)
+        self.fresh = self._outcome_drafter.portable()()
         self.checked = 0
         self._last = None
 
@@ -122,7 +122,7 @@ class Checked(SSDDrafter):
 
     def propose(self, state):
         looked_up = self._outstanding
-        verified = self._speculator.verified(state)
+        verified = self._outcome_drafter.verified(state)
         tree = super().propose(state)
         if state.temperature == 0 and looked_up and self._last is not None:
             self._check_cache(*self._last)
@@ -142,7 +142,7 @@ class Checked(SSDDrafter):
         return tree
 
 
-class WrongKey(SpeculationCache):
+class WrongKey(OutcomeCache):
     """Mutant: serves another outcome's chain whenever the right one is cached."""
 
     def lookup(self, key):
@@ -152,11 +152,11 @@ class WrongKey(SpeculationCache):
         return self.entries[others[0]] if others else None
 
 
-class StaleAfterMiss(SpeculationCache):
+class StaleAfterMiss(OutcomeCache):
     """Mutant: after a miss it keeps the cache built for the chain before (the backup's chain is not built)."""
 
-    def __init__(self, speculator):
-        super().__init__(speculator)
+    def __init__(self, outcome_drafter):
+        super().__init__(outcome_drafter)
         self.served = True
 
     def build(self, **request):
@@ -169,17 +169,17 @@ class StaleAfterMiss(SpeculationCache):
         return spec
 
 
-class StaleDraftKV(SpeculationCache):
+class StaleDraftKV(OutcomeCache):
     """Mutant: the worker's draft cache is never rolled back (a rejected suffix stays as context)."""
 
     def build(self, **request):
-        lm = self.speculator
+        lm = self.outcome_drafter
         if lm.context:
             request = dict(request, context=lm.context + request["context"][len(lm.context):])
         super().build(**request)
 
 
-def _ssd(layers: int, cache_cls=SpeculationCache, **kw) -> Checked:
+def _ssd(layers: int, cache_cls=OutcomeCache, **kw) -> Checked:
     from draftlab.methods.draft_model import DraftModelDrafter
 
     cls = type("C", (Checked,), {"cache_cls": cache_cls})
@@ -231,7 +231,7 @@ def test_greedy_equals_ar(tiny_target, setting):
                                [TRAIN_PROMPTS[1], UNSEEN_PROMPT], 24)
 
 
-class UnrescaledQ(SpeculationCache):
+class UnrescaledQ(OutcomeCache):
     """Mutant: the worker samples from σ_{F,C} but reports the plain q to the verifier."""
 
     def build(self, **request):
@@ -239,7 +239,7 @@ class UnrescaledQ(SpeculationCache):
         if request["temperature"] > 0:
             for (j, t), spec in self.entries.items():
                 ctx = request["context"] + request["chain"][:j] + [t]
-                z = self.speculator.glue(ctx, spec.tokens)[:-1]
+                z = self.outcome_drafter.glue(ctx, spec.tokens)[:-1]
                 spec.probs = logits_to_probs(z, request["temperature"])
 
 
@@ -251,7 +251,7 @@ class UnrescaledQ(SpeculationCache):
 # ``fast`` is in the heavy tier too (a minute): the default run checks the fast backup's cached rounds with the
 # same check in test_ssd_eagle3.py::test_powered_sampling_check[fast_cached] (the backup and the cache are the
 # same code whichever base drafts), and this file's ``jit`` case keeps the draft-model base.
-POWERED = {"jit": (SpeculationCache, "jit"), "fast": (SpeculationCache, "fast"), "unrescaled": (UnrescaledQ, "jit")}
+POWERED = {"jit": (OutcomeCache, "jit"), "fast": (OutcomeCache, "fast"), "unrescaled": (UnrescaledQ, "jit")}
 HEAVY = {"fast", "unrescaled"}
 
 
@@ -275,14 +275,14 @@ def test_powered_sampling_check_on_cached_rounds(tiny_target, case):
         from draftlab.methods.prompt_lookup import PromptLookupDrafter
 
         cls = type("C", (SSDDrafter,), {"_start": lambda self, t: (SSDDrafter._start(self, t), setattr(
-            self.worker, "cache", cache_cls(self.worker.cache.speculator)))})
+            self.worker, "cache", cache_cls(self.worker.cache.outcome_drafter)))})
         d = cls(base=DraftModelDrafter(layers=2, depth=4), depth=4, worker="inline", scale=0.25, backup=backup,
                 fast=PromptLookupDrafter(num_draft_tokens=4))
         made.append(d)
         return d
 
     prompt = first_round_prompt(tiny_target)
-    if cache_cls is SpeculationCache:
+    if cache_cls is OutcomeCache:
         result = check_first_round_law(tiny_target, make, prompt, temperature=0.3, trials=300, at=6)
         stats = made[0]._stats
         assert result["accepted"] > 300

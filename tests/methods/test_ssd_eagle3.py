@@ -1,4 +1,4 @@
-"""SSD over a trained EAGLE-3 draft (``method=ssd_eagle3``): the speculator drafts past the verified rows on the
+"""SSD over a trained EAGLE-3 draft (``method=ssd_eagle3``): the outcome drafter drafts past the verified rows on the
 draft's own states, the worker's copy is kept in step by each round's verified features, every cached chain
 is what the base drafts in the verified state the cache was built in, and decoding stays exact (greedy ==
 AR for every worker and backup, the powered check on the cached rounds)."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
+from draftlab.decoding.outcome_drafter import Sampling
 from draftlab.decoding.sampling import logits_to_probs
-from draftlab.decoding.speculator import Sampling
-from draftlab.methods.eagle3.speculator import Eagle3Speculator
+from draftlab.methods.eagle3.outcome_drafter import Eagle3OutcomeDrafter
 from draftlab.methods.registry import MethodSpec
 from draftlab.methods.ssd import SSDDrafter
 from tests.decoding.conformance.checks import check_first_round_law, check_greedy_equals_ar
@@ -42,14 +42,14 @@ def _spec(**kw) -> MethodSpec:
     return MethodSpec.from_name("ssd_eagle3", [f"method.drafter.{k}={v}" for k, v in kw.items()], ci=True)
 
 
-def test_speculator_follows_the_verified_rows(tiny_target):
-    """After absorbing a round, the speculator's committed rows are the drafter's (same features, same
+def test_outcome_drafter_follows_the_verified_rows(tiny_target):
+    """After absorbing a round, the outcome drafter's committed rows are the drafter's (same features, same
     states); drafting past them equals drafting after a sequence it was told nothing about beyond its tokens."""
     from draftlab.methods.eagle3.drafter import Eagle3Drafter
 
     draft = _trained(tiny_target)
     drafter = Eagle3Drafter(draft, branching=1, depth=3, nodes=3)
-    spec = drafter.speculator(tiny_target)
+    spec = drafter.outcome_drafter(tiny_target)
     greedy = Sampling(0.0)
     seen = []
 
@@ -117,8 +117,8 @@ def test_greedy_equals_ar(tiny_target, setting):
                            [TRAIN_PROMPTS[1], UNSEEN_PROMPT], 24)
 
 
-class PlainQ(Eagle3Speculator):
-    """Mutant: the speculator draws its chain from σ_{F,C} but reports the plain q (a slip in the base's
+class PlainQ(Eagle3OutcomeDrafter):
+    """Mutant: the outcome drafter draws its chain from σ_{F,C} but reports the plain q (a slip in the base's
     own sampling, which the jit backup verifies in every missed round)."""
 
     def chain(self, context, depth, sampling, reshape=None):
@@ -129,7 +129,7 @@ class PlainQ(Eagle3Speculator):
         return spec
 
 
-# "first round": tokens 1-2 come from the speculator's own σ-reshaped chain (the jit backup, C = 0.25), accepted
+# "first round": tokens 1-2 come from the outcome drafter's own σ-reshaped chain (the jit backup, C = 0.25), accepted
 # in ~100 of 600 trials. PlainQ fails the check's drafted-token family (its first drafted token is drawn from σ
 # but reported as q, in every trial, accepted or not): measured over 200 trials, drafted max |z| 8.6, p at the
 # Monte-Carlo floor, where the emitted tokens alone showed nothing (p 0.5) and over 600 trials they had
@@ -149,7 +149,7 @@ def test_powered_sampling_check(tiny_target, case):
     def make():
         d = _spec(worker="inline", width=2, scale=0.25, backup=backup).build_drafter(draft)
         if mutant is not None:
-            d.base.speculator(tiny_target).__class__ = mutant
+            d.base.outcome_drafter(tiny_target).__class__ = mutant
         return d
 
     prompt = first_round_prompt(tiny_target)

@@ -72,8 +72,8 @@ How every method on the roadmap fits:
   (``draft_probs``) when sampled, so the min(1, p/q) rule stays exact. A sparse-KV drafter asks for
   ``attention_rows`` and ranks cache slots by the mass the verify pass already computed.
 - **Block drafters (DFlash).** A block of tokens proposed in one shot is a chain: ``DraftTree.chain``.
-- **Speculation caches (SSD/Saguaro).** The drafter pre-computes chains for likely verification outcomes
-  while the target verifies, with its base's ``speculator``; ``update(state, out)`` receives the exact
+- **OutcomeChain caches (SSD/Saguaro).** The drafter pre-computes chains for likely verification outcomes
+  while the target verifies, with its base's ``outcome_drafter``; ``update(state, out)`` receives the exact
   outcome (``out.result.path`` + bonus), which is the key of its cache, and ``propose`` returns the
   pre-computed chain on a hit.
 - **On-policy training.** ``out.logits`` are the target logits at every tree node (the ones the verifier

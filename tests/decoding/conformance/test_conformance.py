@@ -290,21 +290,21 @@ def test_auto_tree_greedy_equals_ar_and_sampling_follows_the_target(tiny_target,
 
 
 @pytest.mark.parametrize("name", per_method(METHODS))
-def test_speculator_drafts_after_any_sequence(tiny_target, make_drafter, name):
-    """``Drafter.speculator``: None (drafts only from verified state), or a ``Speculator`` whose chain, glue pass,
+def test_outcome_drafter_drafts_after_any_sequence(tiny_target, make_drafter, name):
+    """``Drafter.outcome_drafter``: None (drafts only from verified state), or an ``OutcomeDrafter`` whose chain, glue pass,
     branches and portable copy agree with each other (greedy), each told the verified prompt the same way
     (``absorb(verified(state))``: the target's features of its rows for a feature draft, nothing for a draft model)."""
     from contextlib import closing
 
     from draftlab.decoding.drafter import DecodeState
-    from draftlab.decoding.speculator import Sampling, Speculates, Speculator
+    from draftlab.decoding.outcome_drafter import DraftsOutcomes, OutcomeDrafter, Sampling
     from draftlab.targets.base import PassRequest
 
     with closing(make_drafter(name)()) as drafter:
-        if not isinstance(drafter, Speculates):
+        if not isinstance(drafter, DraftsOutcomes):
             return
-        spec = drafter.speculator(tiny_target)
-        assert isinstance(spec, Speculator)
+        spec = drafter.outcome_drafter(tiny_target)
+        assert isinstance(spec, OutcomeDrafter)
         greedy, ctx = Sampling(0.0), list(TRAIN_PROMPTS[1])
         taps = drafter.taps(tiny_target)
         aux = None

@@ -13,7 +13,7 @@ first ``layers`` layers; or a model directory / hub id / ``asset:`` name sharing
 from __future__ import annotations
 
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
-from draftlab.decoding.speculator import Sampling
+from draftlab.decoding.outcome_drafter import Sampling
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.draft_model.lm import DraftLM
 from draftlab.methods.draft_model.model import load_draft_model
@@ -46,8 +46,8 @@ class DraftModelDrafter(Drafter):
             self._target_id = id(target)
         return self.lm
 
-    def speculator(self, target) -> DraftLM:
-        """The draft model drafts after any sequence (``decoding.speculator``): SSD's base."""
+    def outcome_drafter(self, target) -> DraftLM:
+        """The draft model drafts after any sequence (``decoding.outcome_drafter``): SSD's base."""
         return self.draft_lm(target)
 
     def reset(self, state: DecodeState) -> None:

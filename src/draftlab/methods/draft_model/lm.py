@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from draftlab.decoding.dynamic_tree import FrontierBatch, build_dynamic_tree
-from draftlab.decoding.speculator import Reshape, Sampling, Speculation, draw_branches
+from draftlab.decoding.outcome_drafter import OutcomeChain, Reshape, Sampling, draw_branches
 from draftlab.decoding.tree import DraftTree
 from draftlab.targets.base import PassRequest
 from draftlab.targets.hf import HFTarget
@@ -102,7 +102,7 @@ class DraftLM:
         return self.model.lm_head(out.hidden)[0].float()  # [R, V]
 
     def chain(self, context: list[int], depth: int, sampling: Sampling, reshape: Reshape | None = None
-              ) -> Speculation:
+              ) -> OutcomeChain:
         """``depth`` tokens drafted one at a time after ``context`` (whose last token is the root)."""
         self.sync(context[:-1], spare=depth + 1)
         n, tok = self.length, context[-1]
@@ -115,7 +115,7 @@ class DraftLM:
             if q is not None:
                 probs.append(q)
         self._pending = fed  # rows [n, n + depth) hold root, x1 .. x_{K-1}
-        return Speculation(tokens, torch.stack(probs) if probs else None)
+        return OutcomeChain(tokens, torch.stack(probs) if probs else None)
 
     def glue(self, context: list[int], chain: list[int]) -> torch.Tensor:
         """Logits ``[K+1, V]`` after ``context`` and after each token of ``chain`` (one pass of K+1 rows); the
@@ -128,13 +128,13 @@ class DraftLM:
         return z
 
     def branches(self, starts: list[tuple[int, int]], depth: int, sampling: Sampling,
-                 reshape: Reshape | None = None, stop: Callable[[], bool] | None = None) -> list[Speculation] | None:
+                 reshape: Reshape | None = None, stop: Callable[[], bool] | None = None) -> list[OutcomeChain] | None:
         """After ``glue``: for each ``(j, t)`` a chain of ``depth`` tokens after the glued context, its first
         j chain tokens and ``t``; one pass of ``len(starts)`` rows per step, each row seeing its own branch.
         ``stop()`` after every step: True abandons them (None)."""
         n, glued, B = self.length, len(self._pending), len(starts)
         if not starts or depth == 0:
-            return [Speculation([], None) for _ in starts]
+            return [OutcomeChain([], None) for _ in starts]
         if max(j for j, _ in starts) >= glued:
             raise ValueError(f"a branch starts after position {max(j for j, _ in starts)}, the glued chain has "
                              f"{glued - 1} tokens")

@@ -36,7 +36,7 @@ from draftlab.decoding.dynamic_tree import FrontierBatch, TopCandidates, build_d
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.eagle3.draft_cache import DraftRows
 from draftlab.methods.eagle3.model import Eagle3Draft, SideKeys
-from draftlab.methods.eagle3.speculator import Eagle3Speculator
+from draftlab.methods.eagle3.outcome_drafter import Eagle3OutcomeDrafter
 from draftlab.nn.placement import check_on_target_device
 from draftlab.targets.cache import KVCache
 
@@ -100,7 +100,7 @@ class Eagle3Drafter(Drafter):
             self._synced = _weights_version(self.draft)
         self.rows = DraftRows(self._compute, full_vocab=full_vocab)
         self.budget = tree_budget(tree, rows_per_node=rows_per_node)
-        self._speculator: Eagle3Speculator | None = None
+        self._outcome_drafter: Eagle3OutcomeDrafter | None = None
 
     @property
     def full_vocab(self) -> bool:
@@ -192,14 +192,14 @@ class Eagle3Drafter(Drafter):
         """Tree nodes of the largest tree: the root plus ``nodes`` proposals."""
         return self.nodes + 1
 
-    def speculator(self, target) -> Eagle3Speculator:
-        """The draft drafting past the verified rows on its own states (``speculator.py``): SSD's base. It has
+    def outcome_drafter(self, target) -> Eagle3OutcomeDrafter:
+        """The draft drafting past the verified rows on its own states (``outcome_drafter.py``): SSD's base. It has
         a cache of its own, so this drafter's rounds are not disturbed."""
         self.check_compatible(target)
         self._sync_compute()
-        if self._speculator is None:
-            self._speculator = Eagle3Speculator(self._compute, chunk=self.rows.chunk)
-        return self._speculator
+        if self._outcome_drafter is None:
+            self._outcome_drafter = Eagle3OutcomeDrafter(self._compute, chunk=self.rows.chunk)
+        return self._outcome_drafter
 
     # ---- building blocks (composed by methods that extend EAGLE-3) -----------------------------------------
 

@@ -14,24 +14,24 @@ from collections.abc import Callable
 
 import torch
 
-from draftlab.decoding.speculator import Sampling, Speculation, Speculator
+from draftlab.decoding.outcome_drafter import OutcomeChain, OutcomeDrafter, Sampling
 from draftlab.methods.ssd.saguaro import Reshaper, candidates
 
 
-class SpeculationCache:
-    def __init__(self, speculator: Speculator):
-        self.speculator = speculator
-        self.entries: dict[tuple[int, int], Speculation] = {}
+class OutcomeCache:
+    def __init__(self, outcome_drafter: OutcomeDrafter):
+        self.outcome_drafter = outcome_drafter
+        self.entries: dict[tuple[int, int], OutcomeChain] = {}
 
     def build(self, *, context: list[int], chain: list[int], fanout: list[int], depth: int, temperature: float,
               top_k: int | None, top_p: float | None, seed: int, scale: float, verified=None,
               give_up: Callable[[set], bool] | None = None) -> None:
         """Chains of ``depth`` tokens after ``context + chain[:j] + [t]`` for every candidate ``t`` at every j
         (``fanout[j]`` of them); at T > 0 drawn with a generator seeded by ``seed`` and reshaped by σ_{F,C}.
-        ``verified``: the round's ``Speculator.verified`` (the target's features a feature draft reads)."""
+        ``verified``: the round's ``OutcomeDrafter.verified`` (the target's features a feature draft reads)."""
         self.entries = {}
-        self.speculator.absorb(verified)
-        z = self.speculator.glue(context, chain)  # [K+1, V]
+        self.outcome_drafter.absorb(verified)
+        z = self.outcome_drafter.glue(context, chain)  # [K+1, V]
         starts = [(j, t) for j in range(len(chain) + 1)
                   for t in candidates(z[j], fanout[j], chain[j] if j < len(chain) else None)]
         if give_up is not None and give_up(set(starts)):
@@ -40,9 +40,9 @@ class SpeculationCache:
         sampling = Sampling(temperature, top_k, top_p, gen)
         keys = set(starts)
         stop = None if give_up is None else (lambda: give_up(keys))
-        chains = self.speculator.branches(starts, depth, sampling, Reshaper(fanout, scale), stop)
+        chains = self.outcome_drafter.branches(starts, depth, sampling, Reshaper(fanout, scale), stop)
         if chains is not None:
             self.entries = dict(zip(starts, chains))
 
-    def lookup(self, key: tuple[int, int] | None) -> Speculation | None:
+    def lookup(self, key: tuple[int, int] | None) -> OutcomeChain | None:
         return None if key is None else self.entries.get(key)

@@ -1,7 +1,7 @@
 """Calibrating Saguaro's fan-out on sample prompts: what verification accepts, and how often a cache would hit.
 
 Synchronous speculative decoding with the base's chains (SSD with a fan-out of 0 and its cache built inline,
-so any base with a ``speculator`` -- a draft model, EAGLE-3 -- is measured the way SSD runs it) records every
+so any base with an ``outcome_drafter`` -- a draft model, EAGLE-3 -- is measured the way SSD runs it) records every
 round's outcome ``(j, t)``; the glue pass of the verified state the round was drafted in gives, for the
 position j where verification stopped, the rank of the bonus token t among that position's candidates
 (``saguaro.candidates``: the draft's top tokens without the drafted one). From those:
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
-from draftlab.methods.ssd.cache import SpeculationCache
+from draftlab.methods.ssd.cache import OutcomeCache
 from draftlab.methods.ssd.calibration import Calibration
 from draftlab.methods.ssd.saguaro import candidates
 
@@ -48,22 +48,22 @@ def fit_power(miss: dict[int, float]) -> float:
     return float((x * y).sum() / (x * x).sum())
 
 
-class _Outcomes(SpeculationCache):
+class _Outcomes(OutcomeCache):
     """A cache that builds only the glue pass (fan-out 0: no branches, every round a miss, i.e. synchronous
     speculative decoding with the base's chains) and, at each lookup, records where verification stopped and
     the rank of the bonus among that position's candidates, from the glue pass of the verified state the round
     was drafted in."""
 
-    def __init__(self, speculator):
-        super().__init__(speculator)
+    def __init__(self, outcome_drafter):
+        super().__init__(outcome_drafter)
         self.outcomes: list[tuple[int, int]] = []
         self.tried = self.accepted = 0
         self._glued: tuple[list[int], torch.Tensor] | None = None
 
     def build(self, **request) -> None:
         self.entries = {}
-        self.speculator.absorb(request["verified"])
-        self._glued = (request["chain"], self.speculator.glue(request["context"], request["chain"]))  # [K+1, V]
+        self.outcome_drafter.absorb(request["verified"])
+        self._glued = (request["chain"], self.outcome_drafter.glue(request["context"], request["chain"]))  # [K+1, V]
 
     def lookup(self, key):
         if key is not None and self._glued is not None:  # None: the round was cut (EOS, budget), no next round
@@ -78,13 +78,13 @@ class _Outcomes(SpeculationCache):
 
 def measure(target, base, prompts: list[list[int]], *, depth: int, temperature: float, max_new_tokens: int = 128,
             seed: int = 0, max_width: int = 8, source: dict | None = None) -> Calibration:
-    """Decode ``prompts`` with the base's chains of ``depth`` (any drafter with a ``speculator``: a draft
+    """Decode ``prompts`` with the base's chains of ``depth`` (any drafter with an ``outcome_drafter``: a draft
     model, EAGLE-3) and measure the outcomes (module docstring)."""
     from draftlab.methods.ssd.drafter import SSDDrafter
 
     ssd = SSDDrafter(base=base, depth=depth, fanout="uniform", width=0, worker="inline")
     ssd._start(target)
-    cache = ssd.worker.cache = _Outcomes(ssd.worker.cache.speculator)
+    cache = ssd.worker.cache = _Outcomes(ssd.worker.cache.outcome_drafter)
     with closing(ssd):
         for i, prompt in enumerate(prompts):
             cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i,

@@ -1,7 +1,7 @@
 """SSD / Saguaro (Kumar, Dao, May, ICLR 2026): speculative speculative decoding.
 
 Ordinary speculative decoding alternates: the draft waits while the target verifies, the target waits while
-the draft drafts. Here the base speculator's copy in a worker (``worker.py``) builds, *while the engine
+the draft drafts. Here the base outcome_drafter's copy in a worker (``worker.py``) builds, *while the engine
 verifies round T*, a next chain for each likely outcome ``(j accepted, bonus t)`` of that round
 (``cache.py``, fan-outs and sampling in ``saguaro.py``). Each round:
 
@@ -26,7 +26,7 @@ import time
 import torch
 
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
-from draftlab.decoding.speculator import Sampling, Speculates, Speculation, Speculator
+from draftlab.decoding.outcome_drafter import DraftsOutcomes, OutcomeChain, OutcomeDrafter, Sampling
 from draftlab.decoding.tree import DraftTree
 from draftlab.methods.ssd.saguaro import Reshaper, geometric_fanout, uniform_fanout
 from draftlab.methods.ssd.worker import InlineWorker, ProcessWorker
@@ -39,7 +39,7 @@ FANOUTS = ("uniform", "geometric")
 class SSDDrafter(Drafter):
     """draft           a trained base's draft (``conf/method/ssd_eagle3.yaml``): ``base`` is then the factory
                     of its drafter, called with it.
-    base         the speculator's drafter (a nested method's: ``Drafter.speculator`` must not be None).
+    base         the drafter of the base method (it must have ``outcome_drafter(target)``: ``DraftsOutcomes``).
     depth           tokens per chain (K).
     fanout          ``uniform`` (``width`` candidates per outcome position) or ``geometric`` (a ``budget``
                     spread by ``accept`` a and ``power`` r, Saguaro's Thm 12; ``calibration``: the path of a
@@ -80,13 +80,13 @@ class SSDDrafter(Drafter):
         self.worker_kind, self.worker_threads = worker, int(worker_threads)
         self.worker_cpus = None if worker_cpus is None else [int(c) for c in worker_cpus]
         self.worker = None
-        self._speculator: Speculator | None = None
+        self._outcome_drafter: OutcomeDrafter | None = None
         self._outstanding = False  # a build was sent: the next propose (or reset) must look it up
         self._outcome: tuple[int, int] | None = None
         self._hit = False
         self._seed = 0
         self._round = 0
-        self._unabsorbed: list = []  # verified rows the engine-side speculator has not taken in (jit drafts lazily)
+        self._unabsorbed: list = []  # verified rows the engine-side outcome_drafter has not taken in (jit drafts lazily)
         self._stats: dict[str, float] = {}
 
     def verify_rows(self, cfg) -> int:
@@ -98,21 +98,21 @@ class SSDDrafter(Drafter):
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def _start(self, target) -> None:
-        if not isinstance(self.base, Speculates):
+        if not isinstance(self.base, DraftsOutcomes):
             raise ValueError(f"SSD's base {type(self.base).__name__} cannot draft after an unverified "
-                             "outcome (it has no speculator(target): decoding.speculator.Speculates); use a "
+                             "outcome (it has no outcome_drafter(target): decoding.outcome_drafter.DraftsOutcomes); use a "
                              "base that can, e.g. method@method.base=draft_model")
-        speculator = self.base.speculator(target)
-        self._speculator = speculator
+        outcome_drafter = self.base.outcome_drafter(target)
+        self._outcome_drafter = outcome_drafter
         if self.worker_kind == "none":
             return
         if self.worker_kind == "inline":
-            self.worker = InlineWorker(speculator.portable()())
+            self.worker = InlineWorker(outcome_drafter.portable()())
         else:
-            self.worker = ProcessWorker(speculator.portable(), threads=self.worker_threads, cpus=self.worker_cpus)
+            self.worker = ProcessWorker(outcome_drafter.portable(), threads=self.worker_threads, cpus=self.worker_cpus)
 
     def reset(self, state: DecodeState) -> None:
-        if self._speculator is None:
+        if self._outcome_drafter is None:
             self._start(state.target)
         self._drain()
         self._unabsorbed = []
@@ -133,14 +133,14 @@ class SSDDrafter(Drafter):
         if self.worker is not None:
             self.worker.close()
             self.worker = None
-        self._speculator = None
+        self._outcome_drafter = None
         self._outstanding = False
 
     # ---- rounds ------------------------------------------------------------------------------------
 
     def propose(self, state: DecodeState) -> DraftTree:
         spec = None
-        verified = self._speculator.verified(state)  # what the worker's copy learns of this round's outcome
+        verified = self._outcome_drafter.verified(state)  # what the worker's copy learns of this round's outcome
         if verified is not None and self.backup == "jit":
             self._unabsorbed.append(verified)
         if self._outstanding:
@@ -173,10 +173,10 @@ class SSDDrafter(Drafter):
                 raise ValueError("SSD's fast backup must propose a chain (e.g. prompt lookup with num_branches=1)")
             return DraftTree.chain(state.root, tree.tokens[1:])  # deterministic: no draft law
         for verified in self._unabsorbed:
-            self._speculator.absorb(verified)
+            self._outcome_drafter.absorb(verified)
         self._unabsorbed = []
         reshape = Reshaper(self.fanout, self.scale) if self.scale < 1.0 else None
-        spec: Speculation = self._speculator.chain(state.tokens, self.depth, Sampling.of(state), reshape)
+        spec: OutcomeChain = self._outcome_drafter.chain(state.tokens, self.depth, Sampling.of(state), reshape)
         return spec.tree(state.root)
 
     def update(self, state: DecodeState, out: VerifyOutput) -> None:

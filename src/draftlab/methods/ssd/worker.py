@@ -4,7 +4,7 @@ Protocol, the same for both: ``build(**request)`` starts building the cache for 
 returns at once; ``lookup(key)`` waits for that build and answers ``(speculation or None, build seconds)``.
 Every build is answered by exactly one lookup before the next build.
 
-The process worker has its own copy of the draft (``Speculator.portable()``), its own threads and CPUs. It
+The process worker has its own copy of the draft (``OutcomeDrafter.portable()``), its own threads and CPUs. It
 never outlives its owner: ``close()`` stops it (and kills it if it does not stop), a finalizer does the same
 if the owner forgets, and the worker itself exits when its parent dies -- the kernel kills it
 (``PR_SET_PDEATHSIG`` on Linux) and, everywhere, reading the closed pipe ends its loop.
@@ -20,8 +20,8 @@ import weakref
 from collections.abc import Callable
 from functools import partial
 
-from draftlab.decoding.speculator import Speculation
-from draftlab.methods.ssd.cache import SpeculationCache
+from draftlab.decoding.outcome_drafter import OutcomeChain
+from draftlab.methods.ssd.cache import OutcomeCache
 
 _STARTUP_S = 300.0  # spawning a Python with torch and copying a draft in
 _NO_KEY = object()
@@ -30,14 +30,14 @@ _NO_KEY = object()
 class InlineWorker:
     """Builds in the caller's process, at ``lookup`` time (no second core: what SSD costs without one)."""
 
-    def __init__(self, speculator):
-        self.cache = SpeculationCache(speculator)
+    def __init__(self, outcome_drafter):
+        self.cache = OutcomeCache(outcome_drafter)
         self._request: dict | None = None
 
     def build(self, **request) -> None:
         self._request = request
 
-    def lookup(self, key) -> tuple[Speculation | None, float]:
+    def lookup(self, key) -> tuple[OutcomeChain | None, float]:
         if self._request is None:
             raise RuntimeError("lookup without a build")
         t0 = time.perf_counter()
@@ -69,7 +69,7 @@ def _outcome_is_elsewhere(conn, arrived: list, keys: set) -> bool:
     return bool(arrived) and (arrived[0][0] != "lookup" or arrived[0][1] not in keys)
 
 
-def _serve(conn, make_speculator: Callable, threads: int, cpus: list[int] | None, parent: int) -> None:
+def _serve(conn, make_outcome_drafter: Callable, threads: int, cpus: list[int] | None, parent: int) -> None:
     """The worker's loop (runs in the child)."""
     _die_with_parent(parent)
     import torch
@@ -77,7 +77,7 @@ def _serve(conn, make_speculator: Callable, threads: int, cpus: list[int] | None
     torch.set_num_threads(int(threads))
     if cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(cpus))
-    cache = SpeculationCache(make_speculator())
+    cache = OutcomeCache(make_outcome_drafter())
     conn.send(("ready",))
     built, early = 0.0, _NO_KEY
     while True:
@@ -118,12 +118,12 @@ def _stop(process, conn) -> None:
 class ProcessWorker:
     """The cache built in a spawned process while the caller verifies (see the module docstring)."""
 
-    def __init__(self, make_speculator: Callable, *, threads: int = 1, cpus: list[int] | None = None):
+    def __init__(self, make_outcome_drafter: Callable, *, threads: int = 1, cpus: list[int] | None = None):
         import torch.multiprocessing as mp  # its pickler shares the draft's tensors instead of copying them
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, make_speculator, threads, cpus, os.getpid()),
+        self.process = ctx.Process(target=_serve, args=(child, make_outcome_drafter, threads, cpus, os.getpid()),
                                    daemon=True, name="ssd-worker")
         self.process.start()
         child.close()  # only the child holds its end: the child sees EOF when this process dies
@@ -149,7 +149,7 @@ class ProcessWorker:
         # the default pickler would move each into a shared-memory segment of its own.
         self._conn.send_bytes(pickle.dumps(("build", request), protocol=pickle.HIGHEST_PROTOCOL))
 
-    def lookup(self, key) -> tuple[Speculation | None, float]:
+    def lookup(self, key) -> tuple[OutcomeChain | None, float]:
         self._conn.send(("lookup", key))
         _, spec, built = self._receive()
         return spec, built

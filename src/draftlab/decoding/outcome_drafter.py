@@ -1,13 +1,15 @@
-"""Speculating from an outcome that has not been verified yet: the seam SSD-style drafters build on.
+"""Drafting after an outcome that has not been verified yet: the seam SSD-style drafters build on.
 
 An ordinary drafter proposes from the verified state (``Drafter.propose(state)``). Speculative speculative
 decoding prepares the *next* round while the target still verifies this one, for each likely outcome
 ``(j accepted, bonus t)``, so its base must draft after any sequence it is given, verified or not.
-A drafter that can do so declares ``speculator(target)`` (the ``Speculates`` protocol) returning such an
-object, a ``Speculator``; the others, which only draft from verified target state, do not have it. (EAGLE-3's features of a hypothetical bonus token do not exist yet; its
-speculator drafts past the verified rows on its own states instead, as its trees do.)
+A drafter that can do so declares ``outcome_drafter(target)`` (the ``DraftsOutcomes`` protocol) returning such an
+object, an ``OutcomeDrafter``; the others, which only draft from verified target state, do not have it.
+(EAGLE-3's features of a hypothetical bonus token do not exist yet; its outcome drafter drafts past the verified
+rows on its own states instead, as its trees do.) The name keeps SSD's seam apart from ``speculators``, the
+export format.
 
-A ``Speculator`` drafts chains; ``Sampling`` says how each token is drawn and ``Speculation`` carries the
+An ``OutcomeDrafter`` drafts chains; ``Sampling`` says how each token is drawn and ``OutcomeChain`` carries the
 tokens with the law each was drawn from (what the verifier's ``min(1, p/q)`` rule must be told).
 
 A draft that reads more of the verified sequence than its tokens (EAGLE-3: the target's features of every
@@ -64,7 +66,7 @@ class Sampling:
 
 
 @dataclass
-class Speculation:
+class OutcomeChain:
     """A chain drafted after a sequence: ``tokens [K]`` and, when sampled, ``probs [K, V]`` (row j: the law
     tokens[j] was drawn from)."""
 
@@ -76,8 +78,8 @@ class Speculation:
 
 
 def draw_branches(step: Callable[[list[int]], torch.Tensor], tokens: list[int], depth: int, sampling: Sampling,
-                  reshape: Reshape | None = None, stop: Callable[[], bool] | None = None) -> list[Speculation] | None:
-    """``len(tokens)`` chains of ``depth`` tokens drafted together (a ``Speculator.branches`` loop): each step,
+                  reshape: Reshape | None = None, stop: Callable[[], bool] | None = None) -> list[OutcomeChain] | None:
+    """``len(tokens)`` chains of ``depth`` tokens drafted together (an ``OutcomeDrafter.branches`` loop): each step,
     ``step(last tokens) -> z [B, V]`` runs one draft row per branch consuming its last token, and each branch's
     next token is drawn from its row. ``stop()`` after every step: True abandons them (None)."""
     drafted: list[list[int]] = [[] for _ in tokens]
@@ -92,15 +94,15 @@ def draw_branches(step: Callable[[list[int]], torch.Tensor], tokens: list[int], 
         tokens = [d[-1] for d in drafted]
         if stop is not None and stop():
             return None
-    return [Speculation(d, torch.stack(q) if q else None) for d, q in zip(drafted, laws)]
+    return [OutcomeChain(d, torch.stack(q) if q else None) for d, q in zip(drafted, laws)]
 
 
 @runtime_checkable
-class Speculator(Protocol):
+class OutcomeDrafter(Protocol):
     """Drafts after any sequence, verified or hypothetical (see the module docstring)."""
 
     def chain(self, context: list[int], depth: int, sampling: Sampling, reshape: Reshape | None = None
-              ) -> Speculation:
+              ) -> OutcomeChain:
         """``depth`` tokens drafted one after another after ``context`` (its last token is the root)."""
         ...
 
@@ -110,7 +112,7 @@ class Speculator(Protocol):
         ...
 
     def branches(self, starts: list[tuple[int, int]], depth: int, sampling: Sampling,
-                 reshape: Reshape | None = None, stop: Callable[[], bool] | None = None) -> list[Speculation] | None:
+                 reshape: Reshape | None = None, stop: Callable[[], bool] | None = None) -> list[OutcomeChain] | None:
         """After ``glue(context, chain)``: for each ``(j, t)`` a chain of ``depth`` tokens drafted after
         ``context + chain[:j] + [t]`` (all branches advance together). ``stop`` is asked after every step;
         True abandons the branches (returns None)."""
@@ -125,16 +127,16 @@ class Speculator(Protocol):
         """Take in ``verified(state)`` (this object's or another copy's): every round's, in order."""
         ...
 
-    def portable(self) -> Callable[[], Speculator]:
+    def portable(self) -> Callable[[], OutcomeDrafter]:
         """A picklable factory of an independent copy (its own weights and cache), for a worker process."""
         ...
 
 
 @runtime_checkable
-class Speculates(Protocol):
-    """A drafter that can draft after an unverified outcome: it hands out a ``Speculator``. Not part of the
+class DraftsOutcomes(Protocol):
+    """A drafter that can draft after an unverified outcome: it hands out an ``OutcomeDrafter``. Not part of the
     ``Drafter`` seam (most drafters only draft from verified state); SSD checks its base for it."""
 
-    def speculator(self, target) -> Speculator:
-        """A ``Speculator`` drafting beside ``target`` after any sequence."""
+    def outcome_drafter(self, target) -> OutcomeDrafter:
+        """A ``OutcomeDrafter`` drafting beside ``target`` after any sequence."""
         ...

@@ -1,9 +1,9 @@
-"""EAGLE-3 as a ``Speculator``: drafting after a sequence whose tail the target has not verified yet.
+"""EAGLE-3 as an ``OutcomeDrafter``: drafting after a sequence whose tail the target has not verified yet.
 
 An EAGLE-3 draft reads the target's features of every committed token, and the features of a token the
 target is still verifying (or of a hypothetical bonus token) do not exist yet. What the draft does have is
 what test-time training taught it to consume: its own output state. So past the last verified row this
-speculator drafts exactly as a tree grows past the root -- each row consumes a token and the output state of
+outcome drafter drafts exactly as a tree grows past the root -- each row consumes a token and the output state of
 the row before it (``drafter.py``'s module docstring) -- whether that token is a chain token being glued, a
 bonus candidate or a drafted one.
 
@@ -20,13 +20,13 @@ from functools import partial
 
 import torch
 
-from draftlab.decoding.speculator import Reshape, Sampling, Speculation, draw_branches
+from draftlab.decoding.outcome_drafter import OutcomeChain, Reshape, Sampling, draw_branches
 from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.methods.eagle3.draft_cache import DraftRows
 from draftlab.methods.eagle3.model import Eagle3Draft
 
 
-class Eagle3Speculator:
+class Eagle3OutcomeDrafter:
     """A draft (its own ``DraftRows`` cache) drafting after the verified sequence it absorbed, on its own states
     past it (module docstring)."""
 
@@ -44,7 +44,7 @@ class Eagle3Speculator:
         """What a copy needs of the verified sequence ``state`` (after prefill, or after a round): its tokens
         and the target's features of the rows committed last (``state.accepted_aux``, ``[n, 3*d_t]``)."""
         if state.accepted_aux is None:
-            raise ValueError("an EAGLE-3 speculator needs the target's aux states: its owner must tap taps(target)")
+            raise ValueError("an EAGLE-3 outcome drafter needs the target's aux states: its owner must tap taps(target)")
         return list(state.tokens), state.accepted_aux.detach()
 
     def absorb(self, verified: tuple[list[int], torch.Tensor]) -> None:
@@ -56,7 +56,7 @@ class Eagle3Speculator:
         if first == 0:
             rows.start(n)
         elif rows.cache is None or self.tokens != tokens[: first + 1]:
-            raise RuntimeError(f"verified rows from {first} arrive, but this speculator holds a different sequence "
+            raise RuntimeError(f"verified rows from {first} arrive, but this outcome drafter holds a different sequence "
                                f"of {len(self.tokens)} tokens: absorb every round's verified(state)")
         rows.rollback()
         self._glued = None
@@ -90,7 +90,7 @@ class Eagle3Speculator:
         log-probs of the next token [V], the tail's slots)."""
         m = len(self.tokens)
         if self.rows.cache is None or context[:m] != self.tokens or len(context) < m:
-            raise ValueError(f"an EAGLE-3 speculator drafts after the verified sequence it absorbed ({m} tokens) "
+            raise ValueError(f"an EAGLE-3 outcome drafter drafts after the verified sequence it absorbed ({m} tokens) "
                              "and its continuations; absorb(verified(state)) first")
         self.rows.rollback()
         self._glued = None
@@ -100,11 +100,11 @@ class Eagle3Speculator:
             h, logp, slots = out[0], lp[0], slots + new
         return h, logp, slots
 
-    # ---- the Speculator protocol -------------------------------------------------------------------------
+    # ---- the OutcomeDrafter protocol -------------------------------------------------------------------------
 
     @torch.no_grad()
     def chain(self, context: list[int], depth: int, sampling: Sampling, reshape: Reshape | None = None
-              ) -> Speculation:
+              ) -> OutcomeChain:
         h, z, seen = self._follow(context)
         tokens, probs = [], []
         for j in range(depth):
@@ -115,7 +115,7 @@ class Eagle3Speculator:
             if j + 1 < depth:  # the row consuming the last token is never read
                 out, lp, new = self._run([tok], h[None], [len(context) - 1 + j], [seen])
                 h, z, seen = out[0], lp[0], seen + new
-        return Speculation(tokens, torch.stack(probs) if probs else None)
+        return OutcomeChain(tokens, torch.stack(probs) if probs else None)
 
     @torch.no_grad()
     def glue(self, context: list[int], chain: list[int]) -> torch.Tensor:
@@ -133,7 +133,7 @@ class Eagle3Speculator:
 
     @torch.no_grad()
     def branches(self, starts: list[tuple[int, int]], depth: int, sampling: Sampling,
-                 reshape: Reshape | None = None, stop: Callable[[], bool] | None = None) -> list[Speculation] | None:
+                 reshape: Reshape | None = None, stop: Callable[[], bool] | None = None) -> list[OutcomeChain] | None:
         """After ``glue``: per ``(j, t)`` a chain after ``context + chain[:j] + [t]``; one pass of ``len(starts)``
         rows per step, branch b's row fed the state of the row before it in its own branch."""
         if self._glued is None:
@@ -141,7 +141,7 @@ class Eagle3Speculator:
         states, glued, n = self._glued
         tail = len(glued) - (len(states) - 1)  # provisional rows of the context before the chain's
         if not starts or depth == 0:
-            return [Speculation([], None) for _ in starts]
+            return [OutcomeChain([], None) for _ in starts]
         if max(j for j, _ in starts) >= len(states):
             raise ValueError(f"a branch starts after position {max(j for j, _ in starts)}, the glued chain has "
                              f"{len(states) - 1} tokens")
@@ -166,9 +166,9 @@ class Eagle3Speculator:
         return partial(_rebuild, draft.config.to_dict(), state, head, self.rows.chunk)
 
 
-def _rebuild(config: dict, state: dict, head_dtype: torch.dtype, chunk: int) -> Eagle3Speculator:
+def _rebuild(config: dict, state: dict, head_dtype: torch.dtype, chunk: int) -> Eagle3OutcomeDrafter:
     draft = Eagle3Draft(Eagle3Config.from_dict(config))
     draft.to(device=state["fc.weight"].device, dtype=state["fc.weight"].dtype)
     draft.lm_head.to(head_dtype)
     draft.load_state_dict(state)
-    return Eagle3Speculator(draft.requires_grad_(False), chunk=chunk)
+    return Eagle3OutcomeDrafter(draft.requires_grad_(False), chunk=chunk)
