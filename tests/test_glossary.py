@@ -24,6 +24,8 @@ RETIRED: tuple[tuple[str, str], ...] = (
     (r"^eval\.top_k_sampling$", "sampling top-k is eval.top_k"),
     (r"^eval\.others$", "comparison drafters are eval.baselines"),
     (r"^init_draft$|(^|\.)draft\.init_from$", "start from a trained draft with init.from=DIR"),
+    (r"(^|\.)(drafter|lookup|fast)\.(num_draft_tokens|max_spec_tokens)$", "a proposal's size is 'nodes' (drafter.nodes)"),
+    (r"(^|\.)drafter\.width$", "SSD's candidates per outcome position are drafter.per_position"),
     (r"^method_overrides(\.|$)", "an experiment's knobs per method are its tuning (conf/tuning/<t>/<m>.yaml)"),
 )
 

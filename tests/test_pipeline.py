@@ -41,8 +41,8 @@ def test_eval_training_free_method_writes_answers_and_record(tmp_path, monkeypat
     assert record["kind"] == "eval" and record["train"] is None and record["artifacts"]["draft"] is None
     assert record["eval"]["mismatches_vs_ar"] == 0 and record["eval"]["label"] == "PLD"
     # The record names the method's own axes and config; a training-free drafter has no tree budget.
-    assert record["eval"]["axes"] == {"draft_tokens": 8, "branches": 1}
-    assert record["eval"]["method_config"]["drafter"]["num_draft_tokens"] == 8
+    assert record["eval"]["axes"] == {"nodes": 8, "branches": 1}
+    assert record["eval"]["method_config"]["drafter"]["nodes"] == 8
     saved = json.loads((tmp_path / "record.json").read_text())
     assert saved["metrics"] == record["metrics"]
     method = load_answers(tmp_path / "answers" / "prompt_lookup.jsonl")
@@ -110,7 +110,7 @@ def test_eval_baselines_answer_the_same_questions_beside_the_method(tmp_path, mo
 
     _env(monkeypatch, tmp_path, shared_data)
     cfg = _cfg(tmp_path, "method=prompt_lookup", "+method@eval.baselines.sfx=suffix",
-               "+method@eval.baselines.pld3=prompt_lookup", "eval.baselines.pld3.drafter.num_draft_tokens=3",
+               "+method@eval.baselines.pld3=prompt_lookup", "eval.baselines.pld3.drafter.nodes=3",
                experiment="tiny_base")
     record = run_pipeline(cfg, stage="eval")
     baselines = record["eval"]["baselines"]

@@ -174,7 +174,7 @@ def part_c(target, prompts, n, num_draft):
     for p in prompts:
         ar, _ = autoregressive_generate(target, p, cfg)
         t0 = time.perf_counter()
-        a, st = speculative_generate(target, p, PromptLookupDrafter(num_draft_tokens=num_draft, max_ngram=3), cfg)
+        a, st = speculative_generate(target, p, PromptLookupDrafter(nodes=num_draft, max_ngram=3), cfg)
         t1 = time.perf_counter()
         counter = ForwardCounter(target.model)
         b = hf_generate(target, p, n, prompt_lookup_num_tokens=num_draft)

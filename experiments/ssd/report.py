@@ -150,7 +150,10 @@ def fanout_table(calibrations: list[str], one_core: list[str], out: Path, suffix
             if stats and _uses_worker(_answers(files[name])) and "fast" not in name:
                 cfg = (ev.get("baselines") or {}).get(name, {}).get("method_config", {}).get("drafter") or \
                     _composed(run)["eval"]["baselines"][name]["drafter"]
-                budget = cfg.get("budget") if cfg.get("fanout") == "geometric" else cfg.get("width", 0) * (cfg.get("depth", 0) + 1)
+                # candidates / per_position (records before the naming pass: budget / width)
+                per_position = cfg.get("per_position", cfg.get("width", 0))
+                budget = cfg.get("candidates", cfg.get("budget")) if cfg.get("fanout") == "geometric" else \
+                    per_position * (cfg.get("depth", 0) + 1)
                 measured.setdefault(float(ev["temperature"]), []).append(
                     (budget, _sum(stats, "hits") / max(1.0, _sum(stats, "lookups")), label))
     lines, fig, ax = [], *plt.subplots(figsize=(6, 4))

@@ -19,6 +19,6 @@ def test_the_engines_generator_is_made_on_the_targets_device(tiny_target, monkey
 
     monkeypatch.setattr(torch, "Generator", recording)
     cfg = GenerationConfig(max_new_tokens=4, temperature=0.7, seed=0, stop_on_eos=False)
-    speculative_generate(tiny_target, [5, 6, 7, 5, 6], PromptLookupDrafter(num_draft_tokens=2), cfg)
+    speculative_generate(tiny_target, [5, 6, 7, 5, 6], PromptLookupDrafter(nodes=2), cfg)
     autoregressive_generate(tiny_target, [5, 6, 7], cfg)
     assert len(asked) == 2 and all(d is not None and torch.device(d) == tiny_target.device for d in asked), asked

@@ -125,7 +125,7 @@ def test_greedy_speculative_equals_ar_on_specbench_smollm2(smollm2, shared_data)
     for i in SPECBENCH_PATHS:
         prompt = everything[i]
         ar, _ = autoregressive_generate(smollm2, prompt, cfg)
-        pld, stats = speculative_generate(smollm2, prompt, PromptLookupDrafter(num_draft_tokens=5), cfg)
+        pld, stats = speculative_generate(smollm2, prompt, PromptLookupDrafter(nodes=5), cfg)
         assert pld == ar, SPECBENCH_PATHS[i]
         accepts += stats.accept_lengths
         sizes += stats.tree_sizes

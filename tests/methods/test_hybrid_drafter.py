@@ -61,7 +61,7 @@ def test_hybrid_is_lossless_and_proposes_both_trees(tiny_target, lookup):
 def test_the_shipped_hybrid_reuses_the_eagle3_training_key():
     hybrid, eagle3 = MethodSpec.from_name("eagle3_suffix"), MethodSpec.from_name("eagle3")
     assert hybrid.key_config() == eagle3.key_config()
-    assert hybrid.label != eagle3.label and "lookup_tokens" in hybrid.axes()
+    assert hybrid.label != eagle3.label and "lookup_nodes" in hybrid.axes()
 
 
 def test_each_sized_component_learns_from_its_own_accepted_nodes():

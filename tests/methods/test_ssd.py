@@ -216,7 +216,7 @@ def test_cache_mutants_are_caught(tiny_target, mutant):
 
 
 SETTINGS = {"jit_process": dict(worker="process"), "fast_process": dict(worker="process", backup="fast"),
-            "jit_inline_geometric": dict(worker="inline", fanout="geometric", budget=8, accept=0.5)}
+            "jit_inline_geometric": dict(worker="inline", fanout="geometric", candidates=8, accept=0.5)}
 
 
 def _spec_drafter(layers: int, **kw):
@@ -277,7 +277,7 @@ def test_powered_sampling_check_on_cached_rounds(tiny_target, case):
         cls = type("C", (SSDDrafter,), {"_start": lambda self, t: (SSDDrafter._start(self, t), setattr(
             self.worker, "cache", cache_cls(self.worker.cache.outcome_drafter)))})
         d = cls(base=DraftModelDrafter(layers=2, depth=4), depth=4, worker="inline", scale=0.25, backup=backup,
-                fast=PromptLookupDrafter(num_draft_tokens=4))
+                fast=PromptLookupDrafter(nodes=4))
         made.append(d)
         return d
 
@@ -364,7 +364,7 @@ def test_calibration_measures_and_round_trips(tiny_target, tmp_path):
     cal.save(tmp_path / "cal.json")
     again = Calibration.load(tmp_path / "cal.json")
     assert again == cal
-    d = SSDDrafter(base=drafter, depth=3, fanout="geometric", budget=8, calibration=str(tmp_path / "cal.json"),
+    d = SSDDrafter(base=drafter, depth=3, fanout="geometric", candidates=8, calibration=str(tmp_path / "cal.json"),
                    worker="inline")
     assert d.fanout == geometric_fanout(8, 3, accept=cal.accept, r=cal.power)
     with pytest.raises(ValueError, match="calibrated for chains of 3 tokens"):

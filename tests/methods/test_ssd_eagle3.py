@@ -92,10 +92,10 @@ def test_outcome_drafter_follows_the_verified_rows(tiny_target):
 @pytest.mark.parametrize("temperature", [0.0, 0.05])
 def test_every_hit_is_what_the_base_drafts(tiny_target, temperature):
     draft = _trained(tiny_target)
-    spec = _spec(worker="inline", width=8, scale=0.25 if temperature else 1.0)
+    spec = _spec(worker="inline", per_position=8, scale=0.25 if temperature else 1.0)
     base = spec.build_drafter(draft).base
     cfg = spec.resolved()["drafter"]
-    kw = {k: cfg[k] for k in ("depth", "width", "scale")}
+    kw = {k: cfg[k] for k in ("depth", "per_position", "scale")}
     with closing(Checked(base=base, worker="inline", **kw)) as d:
         prompts = [TRAIN_PROMPTS[1], UNSEEN_PROMPT, TRAIN_PROMPTS[0], TRAIN_PROMPTS[2]]
         runs = prompts * (2 if temperature else 1)  # sampled runs differ by seed: more rounds, more hits to check
@@ -106,7 +106,7 @@ def test_every_hit_is_what_the_base_drafts(tiny_target, temperature):
 
 
 SETTINGS = {"jit_process": dict(worker="process"), "fast_process": dict(worker="process", backup="fast"),
-            "jit_inline_geometric": dict(worker="inline", fanout="geometric", budget=8, accept=0.5),
+            "jit_inline_geometric": dict(worker="inline", fanout="geometric", candidates=8, accept=0.5),
             "no_worker": dict(worker="none")}
 
 
@@ -147,7 +147,7 @@ def test_powered_sampling_check(tiny_target, case):
     draft = _trained(tiny_target)
 
     def make():
-        d = _spec(worker="inline", width=2, scale=0.25, backup=backup).build_drafter(draft)
+        d = _spec(worker="inline", per_position=2, scale=0.25, backup=backup).build_drafter(draft)
         if mutant is not None:
             d.base.outcome_drafter(tiny_target).__class__ = mutant
         return d

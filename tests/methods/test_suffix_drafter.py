@@ -54,7 +54,7 @@ def test_match_needs_an_earlier_occurrence_with_a_continuation():
 
 
 def test_proposes_the_continuation_of_the_longest_earlier_match():
-    drafter = SuffixDrafter(max_spec_tokens=8, max_spec_factor=2.0, min_token_prob=0.1)
+    drafter = SuffixDrafter(nodes=8, max_spec_factor=2.0, min_token_prob=0.1)
     prompt = [1, 2, 3, 4, 5, 6, 10, 11, 1, 2, 3]
     drafter.reset(_state(prompt))
     tree = drafter.propose(_state(prompt))
@@ -67,14 +67,14 @@ def test_a_branching_history_becomes_a_tree_and_rare_branches_are_cut():
     # After "7": 1 four times; after "7 1": 2 three times, 3 once (p 0.25).
     history = [7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 1, 3, 7]
     for min_prob, has_rare in [(0.3, False), (0.2, True)]:
-        drafter = SuffixDrafter(max_spec_tokens=8, max_spec_factor=8.0, min_token_prob=min_prob, max_pattern=1)
+        drafter = SuffixDrafter(nodes=8, max_spec_factor=8.0, min_token_prob=min_prob, max_pattern=1)
         drafter.reset(_state(history))
         paths = _paths(drafter.propose(_state(history)))
         assert (1, 2) in paths and ((1, 3) in paths) == has_rare, paths
 
 
 def test_earlier_outputs_are_speculated_from_in_later_requests():
-    drafter = SuffixDrafter(max_spec_tokens=4, max_spec_factor=4.0, max_cached_requests=1)
+    drafter = SuffixDrafter(nodes=4, max_spec_factor=4.0, max_cached_requests=1)
     drafter.reset(_state([9, 9]))
     drafter.update(_state([9, 9, 20, 21, 22, 23, 24], prompt_len=2), None)  # the first request's output
     drafter.reset(_state([8, 20, 21]))  # a new request whose prompt ends like that output
@@ -87,8 +87,8 @@ def test_earlier_outputs_are_speculated_from_in_later_requests():
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="max_spec_tokens"):
-        SuffixDrafter(max_spec_tokens=0)
+    with pytest.raises(ValueError, match="nodes"):
+        SuffixDrafter(nodes=0)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -34,7 +34,7 @@ def test_key_follows_what_is_measured(tmp_path):
     base = _key(tmp_path)
     assert base == _key(tmp_path)
     changed = [_key(tmp_path, "eval.temperature=0.7"), _key(tmp_path, "seed=1"), _key(tmp_path, "bench.limit=2"),
-               _key(tmp_path, "method.drafter.num_draft_tokens=3"), _key(tmp_path, "eval.max_new_tokens=9"),
+               _key(tmp_path, "method.drafter.nodes=3"), _key(tmp_path, "eval.max_new_tokens=9"),
                _key(tmp_path, "target.device=meta"), _key(tmp_path, sha="a" * 64), _key(tmp_path, code="c1"),
                _key(tmp_path, trained={"module": {"ttt_length": 3}})]
     assert base not in changed and len(set(changed)) == len(changed)

@@ -76,7 +76,7 @@ def test_compiled_decoding_equals_eager_and_ar_without_recompiling(tiny_target, 
     for prompt in prompts:
         ref, _ = autoregressive_generate(tiny_target, prompt, cfg)
         ar, _ = autoregressive_generate(compiled_tiny, prompt, cfg)
-        spec, stats = speculative_generate(compiled_tiny, prompt, PromptLookupDrafter(num_draft_tokens=3), cfg)
+        spec, stats = speculative_generate(compiled_tiny, prompt, PromptLookupDrafter(nodes=3), cfg)
         assert ar == ref and spec == ref
     stats = compiled_tiny.compile_stats()
     assert stats["recompiles"] == 0, stats  # every sequence, every step: one graph per bucket

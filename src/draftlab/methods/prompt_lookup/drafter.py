@@ -17,10 +17,10 @@ class PromptLookupDrafter(Drafter):
     deterministic, so the verifier uses the deterministic-candidate rule when sampling.
     """
 
-    def __init__(self, num_draft_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1, num_branches: int = 1):
+    def __init__(self, nodes: int = 8, max_ngram: int = 3, min_ngram: int = 1, num_branches: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
-        self.k, self.max_ngram, self.min_ngram, self.branches = num_draft_tokens, max_ngram, min_ngram, num_branches
+        self.k, self.max_ngram, self.min_ngram, self.branches = nodes, max_ngram, min_ngram, num_branches
 
     def verify_rows(self, cfg) -> int:
         return 1 + self.k * self.branches

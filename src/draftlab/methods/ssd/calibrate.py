@@ -82,7 +82,7 @@ def measure(target, base, prompts: list[list[int]], *, depth: int, temperature: 
     model, EAGLE-3) and measure the outcomes (module docstring)."""
     from draftlab.methods.ssd.drafter import SSDDrafter
 
-    ssd = SSDDrafter(base=base, depth=depth, fanout="uniform", width=0, worker="inline")
+    ssd = SSDDrafter(base=base, depth=depth, fanout="uniform", per_position=0, worker="inline")
     ssd._start(target)
     cache = ssd.worker.cache = _Outcomes(ssd.worker.cache.outcome_drafter)
     with closing(ssd):

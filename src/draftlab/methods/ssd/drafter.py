@@ -39,10 +39,10 @@ FANOUTS = ("uniform", "geometric")
 class SSDDrafter(Drafter):
     """draft           a trained base's draft (``conf/method/ssd_eagle3.yaml``): ``base`` is then the factory
                     of its drafter, called with it.
-    base         the drafter of the base method (it must have ``outcome_drafter(target)``: ``DraftsOutcomes``).
+    base            the drafter of the base method (it must have ``outcome_drafter(target)``: ``DraftsOutcomes``).
     depth           tokens per chain (K).
-    fanout          ``uniform`` (``width`` candidates per outcome position) or ``geometric`` (a ``budget``
-                    spread by ``accept`` a and ``power`` r, Saguaro's Thm 12; ``calibration``: the path of a
+    fanout          ``uniform`` (``per_position`` candidates at each outcome position) or ``geometric``
+                    (``candidates`` in all, spread by ``accept`` a and ``power`` r, Saguaro's Thm 12; ``calibration``: the path of a
                     measured ``calibration.Calibration``, whose a and r are used instead).
     scale           Saguaro's C in (0, 1]: 1 is plain sampling from q.
     backup          ``jit`` (the base drafts on a miss) or ``fast`` (``fast``, a deterministic drafter).
@@ -51,8 +51,8 @@ class SSDDrafter(Drafter):
                     same base and the same sampling (the baseline SSD is measured against).
     """
 
-    def __init__(self, draft=None, *, base: Drafter, depth: int = 4, fanout: str = "uniform", width: int = 3,
-                 budget: int = 12, accept: float = 0.6, power: float = 1.0, calibration: str | None = None,
+    def __init__(self, draft=None, *, base: Drafter, depth: int = 4, fanout: str = "uniform", per_position: int = 3,
+                 candidates: int = 12, accept: float = 0.6, power: float = 1.0, calibration: str | None = None,
                  scale: float = 1.0,
                  backup: str = "jit", fast: Drafter | None = None, worker: str = "process", worker_threads: int = 1,
                  worker_cpus: list[int] | None = None):
@@ -74,8 +74,8 @@ class SSDDrafter(Drafter):
                 raise ValueError(f"{calibration}: calibrated for chains of {cal.depth} tokens, this drafter drafts "
                                  f"{self.depth}")
             accept, power = cal.accept, cal.power
-        self.fanout = (uniform_fanout(width, self.depth) if fanout == "uniform"
-                       else geometric_fanout(budget, self.depth, accept=accept, r=power))
+        self.fanout = (uniform_fanout(per_position, self.depth) if fanout == "uniform"
+                       else geometric_fanout(candidates, self.depth, accept=accept, r=power))
         self.scale, self.backup = float(scale), backup
         self.worker_kind, self.worker_threads = worker, int(worker_threads)
         self.worker_cpus = None if worker_cpus is None else [int(c) for c in worker_cpus]

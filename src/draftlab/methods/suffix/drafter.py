@@ -6,7 +6,7 @@ this request's prompt and output so far, one over the outputs of earlier request
 ``max_cached_requests``). From the matched node a speculation tree is grown best first: a candidate's
 score is the product of the empirical next-token probabilities along its path (a child's count over
 its siblings' total), the candidate with the highest score joins the tree next, candidates below ``min_token_prob``
-are never taken, and the tree stops at ``min(max_spec_tokens, ceil(max_spec_factor * match length))``
+are never taken, and the tree stops at ``min(nodes, ceil(max_spec_factor * match length))``
 nodes. A longer match earns a longer speculation: it is more likely to continue as before. The tree whose
 scores sum higher (the expected number of accepted tokens, if the scores were the acceptance
 probabilities) is proposed. Candidates are chosen by counts, never sampled, so the verifier treats the
@@ -30,10 +30,10 @@ from draftlab.methods.suffix.suffix_trie import Node, SuffixTrie, next_token_pro
 class SuffixDrafter(Drafter):
     """Suffix-trie speculation over the request and earlier outputs (see the module docstring).
 
-    max_spec_tokens      most draft nodes per round (the root excluded)
+    nodes                most draft nodes per round, the root excluded (vLLM's suffix decoding: max_spec_tokens)
     max_spec_factor      draft nodes allowed per matched pattern token
     min_token_prob       a candidate whose next-token probability is below this is not proposed
-    max_pattern          longest context suffix matched (the tries index ``max_pattern + max_spec_tokens``
+    max_pattern          longest context suffix matched (the tries index ``max_pattern + nodes``
                          tokens deep, so the longest match can still be continued by a full speculation)
     max_cached_requests  earlier outputs kept in the global trie (0: per-request only); the trie is rebuilt
                          from the kept outputs when one is evicted
@@ -41,16 +41,16 @@ class SuffixDrafter(Drafter):
                          tokens per second under the target's measured verify cost (``decoding.budget``)
     """
 
-    def __init__(self, max_spec_tokens: int = 16, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
+    def __init__(self, nodes: int = 16, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
                  max_pattern: int = 16, max_cached_requests: int = 64, tree: str = "fixed"):
-        if (max_spec_tokens < 1 or max_spec_factor <= 0 or not 0 <= min_token_prob <= 1 or max_pattern < 1
+        if (nodes < 1 or max_spec_factor <= 0 or not 0 <= min_token_prob <= 1 or max_pattern < 1
                 or max_cached_requests < 0):
-            raise ValueError("need max_spec_tokens >= 1, max_spec_factor > 0, 0 <= min_token_prob <= 1, "
-                             f"max_pattern >= 1, max_cached_requests >= 0; got {max_spec_tokens}, {max_spec_factor}, "
+            raise ValueError("need nodes >= 1, max_spec_factor > 0, 0 <= min_token_prob <= 1, "
+                             f"max_pattern >= 1, max_cached_requests >= 0; got {nodes}, {max_spec_factor}, "
                              f"{min_token_prob}, {max_pattern}, {max_cached_requests}")
-        self.max_spec_tokens, self.max_spec_factor = max_spec_tokens, max_spec_factor
+        self.nodes, self.max_spec_factor = nodes, max_spec_factor
         self.min_token_prob, self.max_pattern, self.max_cached_requests = min_token_prob, max_pattern, max_cached_requests
-        self.max_depth = max_pattern + max_spec_tokens
+        self.max_depth = max_pattern + nodes
         self.past_outputs: deque[list[int]] = deque()
         self.global_trie = SuffixTrie(self.max_depth)
         self._request: SuffixTrie | None = None
@@ -60,7 +60,7 @@ class SuffixDrafter(Drafter):
         self.budget = tree_budget(tree)  # no draft passes to time: the trie lookups cost next to nothing
 
     def verify_rows(self, cfg) -> int:
-        return 1 + self.max_spec_tokens
+        return 1 + self.nodes
 
     # ---- the drafter protocol ---------------------------------------------------------------------------
 
@@ -80,7 +80,7 @@ class SuffixDrafter(Drafter):
             node, m = trie.match(state.tokens, self.max_pattern)
             if node is None:
                 continue
-            budget = min(self.max_spec_tokens, math.ceil(self.max_spec_factor * m))
+            budget = min(self.nodes, math.ceil(self.max_spec_factor * m))
             tree = self._grow(node, budget)
             if tree[0] > best[0]:
                 best = tree
