@@ -26,6 +26,7 @@ RETIRED: tuple[tuple[str, str], ...] = (
     (r"^init_draft$|(^|\.)draft\.init_from$", "start from a trained draft with init.from=DIR"),
     (r"(^|\.)(drafter|lookup|fast)\.(num_draft_tokens|max_spec_tokens)$", "a proposal's size is 'nodes' (drafter.nodes)"),
     (r"(^|\.)drafter\.width$", "SSD's candidates per outcome position are drafter.per_position"),
+    (r"^eval\.max_tree_rows$", "a verify pass's reserved cache rows are eval.scratch_rows"),
     (r"^method_overrides(\.|$)", "an experiment's knobs per method are its tuning (conf/tuning/<t>/<m>.yaml)"),
 )
 

@@ -61,7 +61,7 @@ def measure(target, context: int, *, reps: int, budget: float, min_budget: int, 
     keep = budget_slots(context, budget, min_budget)
     slots = select_slots(out.attn_mass[:, 0], context, keep, sinks=4, window=64)  # [L, Hkv, K]
     view = SparseView({li: slots[li] for li in range(g.num_layers)})
-    small = view.compact(cache, spare_rows=18)
+    small = view.compact(cache, scratch_rows=18)
     step = torch.tensor([[ids[-1]]])
     pos = torch.tensor([context])
 

@@ -199,7 +199,7 @@ def test_compacted_full_view_equals_dense_decoding(prefilled):
     g = torch.Generator().manual_seed(1)
     shuffled = SparseView({li: torch.stack([torch.randperm(P, generator=g) for _ in range(Hkv)]) for li in range(L)})
     for view in (SparseView.full(range(L), Hkv, P), shuffled):  # slot order within a head does not matter
-        small = view.compact(copy(), spare_rows=4)
+        small = view.compact(copy(), scratch_rows=4)
         assert small.length == P and small.max_length == P + 4
         torch.testing.assert_close(_steps_over(t, small, [11, 12, 13], P), dense, rtol=0, atol=ATOL)
 
@@ -212,7 +212,7 @@ def test_compacted_subset_equals_the_in_place_view(prefilled):
     view = SparseView({li: per_head for li in range(L)})
     in_place = _run(t, copy(), torch.tensor([[77]]), torch.tensor([P]), None, view)[0, -1]  # [V]
     reused = KVCache(L, 1, t.geometry.num_kv_heads, t.geometry.head_dim, 32)
-    small = view.compact(copy(), spare_rows=2, out=reused)
+    small = view.compact(copy(), scratch_rows=2, out=reused)
     assert small is reused and small.length == 8  # a large enough cache is reused, not reallocated
     torch.testing.assert_close(_steps_over(t, small, [77], P)[0], in_place, rtol=0, atol=ATOL)
     assert (in_place - _steps_over(t, copy(), [77], P)[0]).abs().max() > 1e-3  # and it is not dense

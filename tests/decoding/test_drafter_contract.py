@@ -38,7 +38,7 @@ def test_protocol_defaults():
 
     d = Minimal()
     assert isinstance(d, Drafter) and isinstance(NoDrafter(), Drafter)
-    assert d.taps(None) is None and d.verify_rows(GenerationConfig()) is None
+    assert d.taps(None) is None and d.scratch_rows(GenerationConfig()) is None
     assert d.extra_rows(None, None) is None and d.reset(None) is None and d.update(None, None) is None
     assert d.verify_forward(None, None) is None and d.sequence_stats() is None and d.attention_rows() is None
     out, stats = speculative_generate(TableTarget(CYCLE), [0], d, GenerationConfig(max_new_tokens=5,
@@ -86,7 +86,7 @@ class _Chain(Drafter):
     def __init__(self, k, rows=None):
         self.k, self.rows, self.outs = k, rows, []
 
-    def verify_rows(self, cfg):
+    def scratch_rows(self, cfg):
         return self.rows
 
     def propose(self, state):
@@ -114,12 +114,12 @@ def test_update_gets_a_typed_verify_output_and_kept_counts():
 
 def test_verify_rows_is_reserved_and_enforced():
     target = TableTarget(CYCLE)
-    cfg = GenerationConfig(max_new_tokens=20, stop_on_eos=False, max_tree_rows=4)
+    cfg = GenerationConfig(max_new_tokens=20, stop_on_eos=False, scratch_rows=4)
     # Declared: the engine reserves 9 scratch rows although the config says 4.
     out, stats = speculative_generate(target, [0], _Chain(8, rows=9), cfg)
     assert out == autoregressive_generate(target, [0], cfg)[0] and max(stats.tree_sizes) == 9
     # Undeclared: a clear error instead of a cache overflow somewhere later.
-    with pytest.raises(RuntimeError, match="verify_rows"):
+    with pytest.raises(RuntimeError, match="scratch_rows"):
         speculative_generate(target, [0], _Chain(8), cfg)
 
 

@@ -18,7 +18,7 @@ from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT, greedy, train_seq
 
 
 def _cfg(drafter, n):
-    # No max_tree_rows: the engine reserves drafter.verify_rows (> the default 128 for 60 nodes + 16 soft prompts).
+    # No scratch_rows: the engine reserves drafter.scratch_rows (> the default 128 for 60 nodes + 16 soft prompts).
     return GenerationConfig(max_new_tokens=n, stop_on_eos=False)
 
 
@@ -266,4 +266,4 @@ def test_pinned_soft_prompts_compute_what_soft_prompt_rows_compute(tiny_target, 
         torch.testing.assert_close(lp_c, lp_r, rtol=0, atol=1e-5)
     s = trained.draft.config.num_soft_prompts
     assert rows_c and [r + s for r in rows_c] == rows_r
-    assert d_c.verify_rows(None) + s == d_r.verify_rows(None)
+    assert d_c.scratch_rows(None) + s == d_r.scratch_rows(None)

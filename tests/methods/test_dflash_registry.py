@@ -24,7 +24,7 @@ def test_every_seam_builds_from_the_config(tiny_target, tmp_path):
     assert loaded.config == draft.config
     spec.exporters["dflash"](draft, tmp_path / "exp", target=tiny_target)
     drafter = spec.build_drafter(loaded)
-    assert isinstance(drafter, DFlashDrafter) and drafter.verify_rows(None) == 4
+    assert isinstance(drafter, DFlashDrafter) and drafter.scratch_rows(None) == 4
     prompt = list(range(200, 210))
     cfg = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
     ref, _ = autoregressive_generate(tiny_target, prompt, cfg)

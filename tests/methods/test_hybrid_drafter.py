@@ -55,7 +55,7 @@ def test_hybrid_is_lossless_and_proposes_both_trees(tiny_target, lookup):
     out, stats = speculative_generate(tiny_target, prompt, drafter, cfg, trace=True)
     assert out == autoregressive_generate(tiny_target, prompt, cfg)[0]
     assert max(r.tokens.numel() for r in stats.trace) > 1 + 4  # lookup nodes beyond the learned tree's four
-    assert drafter.verify_rows(cfg) == learned.verify_rows(cfg) + drafter.lookup.verify_rows(cfg) - 1
+    assert drafter.scratch_rows(cfg) == learned.scratch_rows(cfg) + drafter.lookup.scratch_rows(cfg) - 1
 
 
 def test_the_shipped_hybrid_reuses_the_eagle3_training_key():

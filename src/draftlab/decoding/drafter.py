@@ -10,8 +10,8 @@ explicitly to inherit those defaults, so the engine never probes a drafter for o
 
 - ``taps(target)``: target layers whose hidden states the drafter reads (target's convention).
   The engine asks the target for them (``PassRequest(aux=...)``) in the prefill and in every verify pass. ``None`` (default): no aux states are computed at all.
-- ``verify_rows(cfg)``: rows of the largest verify pass (tree nodes + extra rows); the engine sizes the
-  target cache's scratch for ``max(cfg.max_tree_rows, verify_rows)``. ``None``: ``cfg.max_tree_rows``.
+- ``scratch_rows(cfg)``: rows of the largest verify pass (tree nodes + extra rows); the engine sizes the
+  target cache's scratch for the larger of it and ``cfg.scratch_rows`` (``engine.scratch_for``). ``None``: ``cfg.scratch_rows``.
 - ``extra_rows(state, tree)``: rows appended after the tree in the verify pass (default ``None``).
 - ``verify_forward(state, tree)``: the verify pass itself, for drafters that already ran part of the
   target on the tree rows (early-exit self-speculation): a ``TargetOutput`` whose ``logits [1, N, V]``
@@ -190,7 +190,7 @@ class Drafter(Protocol):
         """Target layers to capture (in ``target.layer_convention``); ``None``: no aux states."""
         return None
 
-    def verify_rows(self, cfg) -> int | None:
+    def scratch_rows(self, cfg) -> int | None:
         """Rows of the largest verify pass under ``cfg`` (tree + extra rows); ``None``: the engine default."""
         return None
 

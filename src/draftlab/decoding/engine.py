@@ -30,9 +30,9 @@ class GenerationConfig:
     top_p: float | None = None
     seed: int | None = None
     stop_on_eos: bool = True
-    # Scratch room past the context for the largest verify pass (tree nodes + extra rows); ``scratch_rows``
-    # raises it to ``drafter.verify_rows(cfg)`` when the drafter declares more.
-    max_tree_rows: int = 128
+    # Scratch room past the context for the largest verify pass (tree nodes + extra rows); ``scratch_for``
+    # raises it to ``drafter.scratch_rows(cfg)`` when the drafter declares more.
+    scratch_rows: int = 128
 
 
 @dataclass
@@ -109,11 +109,11 @@ def _generator(cfg: GenerationConfig, device: torch.device) -> torch.Generator |
     return torch.Generator(device=device).manual_seed(cfg.seed)
 
 
-def scratch_rows(cfg: GenerationConfig, drafter: Drafter | None = None) -> int:
-    """Cache rows past the context a sequence reserves for its largest verify pass: ``cfg.max_tree_rows``,
-    raised to what the drafter declares (``Drafter.verify_rows``). The only place scratch is sized."""
-    declared = drafter.verify_rows(cfg) if drafter is not None else None
-    return max(cfg.max_tree_rows, int(declared or 0))
+def scratch_for(cfg: GenerationConfig, drafter: Drafter | None = None) -> int:
+    """Cache rows past the context a sequence reserves for its largest verify pass: ``cfg.scratch_rows``,
+    raised to what the drafter declares (``Drafter.scratch_rows``). The only place scratch is sized."""
+    declared = drafter.scratch_rows(cfg) if drafter is not None else None
+    return max(cfg.scratch_rows, int(declared or 0))
 
 
 def pass_request(target, drafter: Drafter) -> PassRequest:
@@ -193,8 +193,8 @@ def verify_pass(target, tree: DraftTree, extra: ExtraRows | None, past: int, bas
     rows = n + (extra.num_rows if extra is not None else 0)
     if scratch is not None and rows > scratch:
         raise RuntimeError(f"a verify pass of {rows} rows (tree {n} + extra {rows - n}) exceeds the {scratch} "
-                           "scratch rows reserved: declare them in Drafter.verify_rows or raise "
-                           "GenerationConfig.max_tree_rows")
+                           "scratch rows reserved: declare them in Drafter.scratch_rows or raise "
+                           "GenerationConfig.scratch_rows")
     if extra is None:
         mask = torch.cat([tree_mask.new_ones(n, past), tree_mask], 1)  # [N, past + N]
         return VerifyPass(ids, pos, mask, base, past, n)
@@ -298,7 +298,7 @@ def speculative_generate(target, prompt_ids: list[int], drafter: Drafter | None 
     t_start = time.perf_counter()
     gen = _generator(cfg, target.device)
     base = pass_request(target, drafter)  # what every pass computes for the drafter (taps, attention mass)
-    scratch = scratch_rows(cfg, drafter)
+    scratch = scratch_for(cfg, drafter)
     state = start_sequence(target, prompt_ids, drafter, cfg, gen, base, scratch)
     new: list[int] = [state.root]
     stats.prefill_time = time.perf_counter() - t_start
@@ -334,7 +334,7 @@ def autoregressive_generate(target, prompt_ids: list[int], cfg: GenerationConfig
     stats = DecodeStats()
     t_start = time.perf_counter()
     gen = _generator(cfg, target.device)
-    cache, out = _prefill(target, prompt_ids, len(prompt_ids) + cfg.max_new_tokens + scratch_rows(cfg), PassRequest())
+    cache, out = _prefill(target, prompt_ids, len(prompt_ids) + cfg.max_new_tokens + scratch_for(cfg), PassRequest())
     tok = int(sample(logits_to_probs(out.logits[0, -1], cfg.temperature, cfg.top_k, cfg.top_p), gen))
     stats.prefill_time = time.perf_counter() - t_start
     new = [tok]

@@ -17,7 +17,7 @@ class OracleDrafter(Drafter):
         self.depth = depth
         self.reference = reference  # a greedy AR output computed elsewhere, to avoid recomputing it
 
-    def verify_rows(self, cfg) -> int:
+    def scratch_rows(self, cfg) -> int:
         return 1 + self.depth
 
     def reset(self, state: DecodeState) -> None:
@@ -28,7 +28,7 @@ class OracleDrafter(Drafter):
 
         budget = state.cache.max_length - state.prompt_len
         prompt = state.tokens[: state.prompt_len]
-        ref, _ = autoregressive_generate(state.target, prompt, GenerationConfig(max_new_tokens=budget, max_tree_rows=0,
+        ref, _ = autoregressive_generate(state.target, prompt, GenerationConfig(max_new_tokens=budget, scratch_rows=0,
                                                                                 stop_on_eos=False))
         state.scratch["oracle"] = ref
 

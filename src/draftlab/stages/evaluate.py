@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftlab import tracking
 from draftlab.decoding.drafter import closing_all
-from draftlab.decoding.engine import GenerationConfig, scratch_rows
+from draftlab.decoding.engine import GenerationConfig, scratch_for
 from draftlab.eval.metrics import TIMINGS
 from draftlab.eval.runner import AR_NAME
 from draftlab.eval.scoring import bench_scores, format_scores
@@ -45,8 +45,8 @@ def generation_config(cfg: DictConfig, drafter=None) -> GenerationConfig:
     e = cfg.eval
     gen = GenerationConfig(max_new_tokens=int(e.max_new_tokens), temperature=float(e.temperature),
                            top_k=e.get("top_k"), top_p=e.get("top_p"), seed=int(cfg.seed),
-                           max_tree_rows=int(e.get("max_tree_rows", 128)))
-    gen.max_tree_rows = scratch_rows(gen, drafter)  # what the engine reserves for this drafter, recorded
+                           scratch_rows=int(e.get("scratch_rows", 128)))
+    gen.scratch_rows = scratch_for(gen, drafter)  # what the engine reserves for this drafter, recorded
     return gen
 
 

@@ -200,8 +200,8 @@ class SparseView:
         """The slots of ``layer`` ``[Hkv, K]``, or None when the layer reads densely."""
         return self.indices.get(layer)
 
-    def compact(self, cache: KVCache, spare_rows: int, out: KVCache | None = None) -> KVCache:
-        """The view's slots gathered into a dense cache of ``K`` committed rows plus ``spare_rows`` of scratch.
+    def compact(self, cache: KVCache, scratch_rows: int, out: KVCache | None = None) -> KVCache:
+        """The view's slots gathered into a dense cache of ``K`` committed rows plus ``scratch_rows`` of scratch.
 
         Row j of KV head h at layer l is slot ``indices[l][h, j]`` of ``cache``. Every layer needs the same K
         and distinct slots per head (a dense pass would count a repeated slot twice). ``out``, when large
@@ -219,8 +219,8 @@ class SparseView:
         if K and (int(idx.min()) < 0 or int(idx.max()) >= cache.length):
             raise ValueError(f"view slots must lie in the committed context [0, {cache.length})")
         _, B, Hkv, _, hd = cache.k.shape
-        if out is None or out.max_length < K + spare_rows or out.k.shape[1] != B:
-            out = KVCache(L, B, Hkv, hd, K + spare_rows, dtype=cache.k.dtype, device=cache.k.device)
+        if out is None or out.max_length < K + scratch_rows or out.k.shape[1] != B:
+            out = KVCache(L, B, Hkv, hd, K + scratch_rows, dtype=cache.k.dtype, device=cache.k.device)
         index = idx[:, None, :, :, None].expand(L, B, Hkv, K, hd)  # [L, B, Hkv, K, hd]
         out.k[:, :, :, :K] = torch.gather(cache.k, 3, index)
         out.v[:, :, :, :K] = torch.gather(cache.v, 3, index)

@@ -17,7 +17,7 @@ from draftlab.decoding.drafter import Drafter, VerifyOutput
 from draftlab.decoding.engine import (
     GenerationConfig,
     autoregressive_generate,
-    scratch_rows,
+    scratch_for,
     speculative_generate,
 )
 from draftlab.decoding.sampling import logits_to_probs
@@ -56,8 +56,8 @@ class Checked(Drafter):
     def taps(self, target):
         return self.inner.taps(target)
 
-    def verify_rows(self, cfg):
-        return self.inner.verify_rows(cfg)
+    def scratch_rows(self, cfg):
+        return self.inner.scratch_rows(cfg)
 
     def extra_rows(self, state, tree):
         return self.inner.extra_rows(state, tree)
@@ -90,7 +90,7 @@ class Checked(Drafter):
 
 
 def run(target, drafter: Drafter, prompt: list[int], cfg: GenerationConfig, engine=speculative_generate):
-    checked = Checked(drafter, target.geometry.vocab_size, scratch_rows(cfg, drafter))
+    checked = Checked(drafter, target.geometry.vocab_size, scratch_for(cfg, drafter))
     out, stats = engine(target, prompt, checked, cfg, trace=True)
     assert checked.trees == stats.rounds
     # The trace is the round record: emitted tokens are its paths + bonuses.
@@ -98,7 +98,7 @@ def run(target, drafter: Drafter, prompt: list[int], cfg: GenerationConfig, engi
     return out, stats
 
 
-# One scratch row: the engine must reserve what the drafter declares in ``verify_rows``, nothing else.
+# One scratch row: the engine must reserve what the drafter declares in ``scratch_rows``, nothing else.
 DECLARED_ONLY = 1
 
 
@@ -109,7 +109,7 @@ def check_greedy_equals_ar(target, make_drafter: Callable[[], Drafter], prompts:
     ``fixed_target``: the caller vouches that ``target``'s weights are what its identity (name, dtype, shape)
     says, never changed by a test (a session fixture's real model): its AR continuations are then decoded
     once per run and shared by every check and worker (``tests/draft_store.py``)."""
-    cfg = GenerationConfig(max_new_tokens=n, temperature=0.0, stop_on_eos=stop_on_eos, max_tree_rows=DECLARED_ONLY)
+    cfg = GenerationConfig(max_new_tokens=n, temperature=0.0, stop_on_eos=stop_on_eos, scratch_rows=DECLARED_ONLY)
     accepted = 0
     with closing(make_drafter()) as drafter:  # the owner closes what it builds
         for prompt in prompts:  # one drafter across sequences: reset must start afresh
@@ -184,7 +184,7 @@ def check_sampling(target, make_drafter: Callable[[], Drafter], prompts: list[li
         for prompt in prompts:
             for seed in seeds:
                 cfg = GenerationConfig(max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                       stop_on_eos=False, max_tree_rows=DECLARED_ONLY)
+                                       stop_on_eos=False, scratch_rows=DECLARED_ONLY)
                 out, stats = run(target, drafter, prompt, cfg, engine)
                 accepted += sum(len(r.path) - 1 for r in stats.trace)
                 seq = prompt + out
@@ -410,7 +410,7 @@ def check_first_round_law(target, make_drafter: Callable[[], Drafter], prompt: l
         rows, accepted, first = [], 0, []
         for seed in range(trials):
             cfg = GenerationConfig(max_new_tokens=at + 2, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   seed=seed, stop_on_eos=False, max_tree_rows=DECLARED_ONLY)
+                                   seed=seed, stop_on_eos=False, scratch_rows=DECLARED_ONLY)
             out, stats = run(target, drafter, prompt, cfg, engine)
             accepted += sum(len(r.path) - 1 for r in (stats.trace[:1] if at == 1 else stats.trace))
             rows.append(out[:at + 2])

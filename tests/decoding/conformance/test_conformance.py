@@ -65,7 +65,7 @@ def test_builds_from_config(tiny_target, name):
     drafter = s.build_drafter(s.build_draft(tiny_target, None if s.draft_vocab_size is None else _vocab(s, tiny_target))
                               ) if s.trainable else s.build_drafter()
     assert isinstance(drafter, Drafter)  # subclasses the protocol: the engine's defaults are inherited
-    rows = drafter.verify_rows(GenerationConfig())
+    rows = drafter.scratch_rows(GenerationConfig())
     assert rows is None or rows >= 1
     taps = drafter.taps(tiny_target)
     if taps is not None:

@@ -54,8 +54,8 @@ class ClaimsSampled(Drafter):
     def taps(self, target):
         return self.inner.taps(target)
 
-    def verify_rows(self, cfg):
-        return self.inner.verify_rows(cfg)
+    def scratch_rows(self, cfg):
+        return self.inner.scratch_rows(cfg)
 
     def reset(self, state):
         self.inner.reset(state)
@@ -74,7 +74,7 @@ class TargetArgmax(Drafter):
     """Proposes the target's own argmax after the root (one cache-free target pass): a drafter whose
     candidates carry most of the target's mass, so a rule that mishandles rejections shows at once."""
 
-    def verify_rows(self, cfg):
+    def scratch_rows(self, cfg):
         return 2
 
     def propose(self, state):
@@ -86,7 +86,7 @@ class TargetArgmax(Drafter):
 class WrongRoot(Drafter):
     """Proposes trees rooted at the wrong token."""
 
-    def verify_rows(self, cfg):
+    def scratch_rows(self, cfg):
         return 2
 
     def propose(self, state):

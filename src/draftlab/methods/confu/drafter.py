@@ -39,7 +39,7 @@ class ConFuDrafter(Drafter):
 
     ``branching`` / ``depth`` / ``nodes`` as for ``Eagle3Drafter`` (``self.tree``, which does the tree
     and the draft cache). A verify pass has ``2 * (nodes + 1)`` rows, plus ``num_soft_prompts`` with
-    ``cache_soft_prompts=False`` (``verify_rows``, which the engine reserves). ``tree: auto`` sizes each
+    ``cache_soft_prompts=False`` (``scratch_rows``, which the engine reserves). ``tree: auto`` sizes each
     round's tree as EAGLE-3's does, pricing every node at two verify rows (itself and its contemplate row).
     """
 
@@ -84,7 +84,7 @@ class ConFuDrafter(Drafter):
     def taps(self, target) -> list[int]:
         return self.tree.taps(target)
 
-    def verify_rows(self, cfg) -> int:
+    def scratch_rows(self, cfg) -> int:
         """Rows of the largest verify pass: tree nodes + their contemplate rows (+ soft prompts as rows)."""
         soft = 0 if self.cache_soft_prompts else self.draft.config.num_soft_prompts
         return 2 * (self.nodes + 1) + soft

@@ -107,7 +107,7 @@ class DFlashDrafter(Drafter):
         """The draft's taps, named in ``target``'s layer convention."""
         return self.draft.taps(target)
 
-    def verify_rows(self, cfg) -> int:
+    def scratch_rows(self, cfg) -> int:
         """The chain: root + ``block_size - 1`` proposals."""
         return self.block_size
 

@@ -36,7 +36,7 @@ class DraftModelDrafter(Drafter):
         self._target_id: int | None = None
         self._drafted = 0
 
-    def verify_rows(self, cfg) -> int:
+    def scratch_rows(self, cfg) -> int:
         return 1 + (self.depth if self.branching == 1 else self.nodes)
 
     def draft_lm(self, target) -> DraftLM:

@@ -41,7 +41,7 @@ from draftlab.decoding.engine import (
     pass_request,
     round_trace,
     run_verify_pass,
-    scratch_rows,
+    scratch_for,
     start_sequence,
     verify_pass,
 )
@@ -82,7 +82,7 @@ def rounds_at(target, drafter: Drafter, tokens: list[int], prompt_len: int, posi
         raise ValueError("rounds_at does not serve drafters that read the verify passes' attention mass")
     # Room for the longest pass: a forced chain can span the whole response, a tree the drafter's rows. The
     # root is the committed first response token (at T=0 the prefill's own argmax), not a new draw.
-    scratch = max(scratch_rows(cfg, drafter), T)
+    scratch = max(scratch_for(cfg, drafter), T)
     state = start_sequence(target, list(tokens[:prompt_len]), drafter, cfg, generator, request, scratch,
                            root=int(tokens[prompt_len]), capacity=T + scratch)
 

@@ -188,7 +188,7 @@ class Eagle3Drafter(Drafter):
         """The draft's three taps, named in ``target``'s layer convention."""
         return self.draft.taps(target)
 
-    def verify_rows(self, cfg) -> int:
+    def scratch_rows(self, cfg) -> int:
         """Tree nodes of the largest tree: the root plus ``nodes`` proposals."""
         return self.nodes + 1
 

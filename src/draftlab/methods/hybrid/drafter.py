@@ -79,8 +79,8 @@ class HybridDrafter(Drafter):
     def taps(self, target):
         return self.learned.taps(target)
 
-    def verify_rows(self, cfg) -> int | None:
-        rows = [d.verify_rows(cfg) for d in (self.learned, self.lookup)]
+    def scratch_rows(self, cfg) -> int | None:
+        rows = [d.scratch_rows(cfg) for d in (self.learned, self.lookup)]
         if None in rows:
             return None
         return rows[0] + rows[1] - 1  # one shared root

@@ -22,7 +22,7 @@ class PromptLookupDrafter(Drafter):
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.k, self.max_ngram, self.min_ngram, self.branches = nodes, max_ngram, min_ngram, num_branches
 
-    def verify_rows(self, cfg) -> int:
+    def scratch_rows(self, cfg) -> int:
         return 1 + self.k * self.branches
 
     def _continuations(self, ctx: torch.Tensor) -> list[list[int]]:

@@ -68,7 +68,7 @@ class SparseSpecDrafter(Drafter):
     def attention_rows(self) -> int:
         return self.stat_rows
 
-    def verify_rows(self, cfg) -> int:
+    def scratch_rows(self, cfg) -> int:
         return self.k_max + 1
 
     def reset(self, state: DecodeState) -> None:
@@ -90,7 +90,7 @@ class SparseSpecDrafter(Drafter):
         keep = budget_slots(context, self.budget, self.min_budget)
         slots = select_slots(self._scores, context, keep, sinks=self.sinks, window=self.window)  # [L, Hkv, K]
         view = SparseView({li: slots[li] for li in range(slots.shape[0])})
-        self._small = small = view.compact(cache, spare_rows=self.k_max + 1, out=self._small)
+        self._small = small = view.compact(cache, scratch_rows=self.k_max + 1, out=self._small)
         t1 = time.perf_counter()
 
         sampled = state.temperature > 0

@@ -67,7 +67,7 @@ class SpecBoundDrafter(Drafter):
         self.exit_depths: list[int] = []  # exit layer of every token drafted in this sequence
         self._ends = {"difficult": 0, "width": 0}  # how this sequence's rounds stopped drafting
 
-    def verify_rows(self, cfg) -> int:
+    def scratch_rows(self, cfg) -> int:
         return self.w_max + 1
 
     def reset(self, state: DecodeState) -> None:

@@ -89,7 +89,7 @@ class SSDDrafter(Drafter):
         self._unabsorbed: list = []  # verified rows the engine-side outcome_drafter has not taken in (jit drafts lazily)
         self._stats: dict[str, float] = {}
 
-    def verify_rows(self, cfg) -> int:
+    def scratch_rows(self, cfg) -> int:
         return 1 + self.depth
 
     def taps(self, target) -> list[int] | None:

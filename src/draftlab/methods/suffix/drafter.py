@@ -59,7 +59,7 @@ class SuffixDrafter(Drafter):
         self._tokens: list[int] = []
         self.budget = tree_budget(tree)  # no draft passes to time: the trie lookups cost next to nothing
 
-    def verify_rows(self, cfg) -> int:
+    def scratch_rows(self, cfg) -> int:
         return 1 + self.nodes
 
     # ---- the drafter protocol ---------------------------------------------------------------------------
