@@ -41,6 +41,10 @@ def test_quickstart_trains_and_evaluates_every_trainable_method(method, tmp_path
     assert record["train"]["reused"] is False and record["train"]["history"]
     assert record["eval"]["mismatches_vs_ar"] == 0 and record["eval"]["label"] == spec.label
     assert set(record["eval"]["baselines"]) == {"pld", "suffix"}
+    from draftlab.training.checkpoint import unsafe_objects
+
+    ckpts = sorted((tmp_path / "artifacts").rglob("*.ckpt"))
+    assert ckpts and all(unsafe_objects(c) == [] for c in ckpts)  # every checkpoint reads as weights only
 
 
 def test_an_experiment_sets_only_the_selected_methods_knobs(tmp_path):

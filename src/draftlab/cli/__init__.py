@@ -9,7 +9,7 @@ from draftlab.configs import config_dir  # noqa: F401  (the entry points and use
 
 def report_user_errors(task):
     """Wrap a Hydra task function: the config is prepared first (``configs.prepare_config``: the experiment's
-    tuning checked against the selected method, ``init.from`` routed); a ``UserError`` (and an unread
+    tuning checked against the selected method, ``init.from`` routed, ``trust_checkpoint`` applied); a ``UserError`` (and an unread
     appended setting, checked next) becomes
     ``error: <file>[:line]: <field>: <what>`` on stderr and exit code 2; ``DRAFTLAB_DEBUG=1`` re-raises
     with the traceback. Any other exception is a bug and keeps its traceback."""
@@ -17,6 +17,7 @@ def report_user_errors(task):
     import sys
 
     from draftlab.configs import prepare_config
+    from draftlab.training.checkpoint import trust_checkpoints
     from draftlab.utils.errors import UserError
 
     @functools.wraps(task)
@@ -24,6 +25,7 @@ def report_user_errors(task):
         try:
             prepare_config(cfg)
             reject_unread_appends(cfg)
+            trust_checkpoints(bool(cfg.get("trust_checkpoint", False)))
             return task(cfg)
         except UserError as e:
             if os.environ.get("DRAFTLAB_DEBUG") == "1":

@@ -63,7 +63,7 @@ RUN_FILES = ("answers", "eval_table.txt", "eval_comparison.txt", "served_compari
 # those only training reads: what training made enters the key as the draft's weights, by content, as does a
 # draft given by place (draft_path).
 UNMEASURED = ("paths", "hydra", "logger", "wandb", "task_name", "train", "trainer", "callbacks", "data", "regen",
-              "init", "draft_path")
+              "init", "draft_path", "trust_checkpoint")
 UNMEASURED_EVAL = ("enabled", "reuse")
 _MARKER = "complete.json"
 _DATA = "eval.json"

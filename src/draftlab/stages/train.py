@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Checkpoint
 from omegaconf import DictConfig, OmegaConf
@@ -27,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from draftlab.methods.registry import MethodSpec
 from draftlab.stages.data import target_identity
 from draftlab.training import ranks
+from draftlab.training.checkpoint import load_file, plain, unsafe_objects
 from draftlab.training.placement import TargetPlacement
 from draftlab.utils.atomic import atomic_dir, atomic_write_text
 from draftlab.utils.hashing import content_key
@@ -48,6 +48,16 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     best: dict[str, Any] = field(default_factory=dict)
     train_seconds: float = 0.0
+
+
+class PlainCheckpoint(L.Callback):
+    """The hyper-parameters a checkpoint stores become plain containers (a config's lists arrive as OmegaConf
+    ones), so every checkpoint draftlab writes reads back with torch's ``weights_only`` unpickler."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        for key in ("hyper_parameters", "datamodule_hyper_parameters"):
+            if key in checkpoint:
+                checkpoint[key] = plain(checkpoint[key])
 
 
 class HistoryCallback(L.Callback):
@@ -111,18 +121,22 @@ class ResumeCheckpoint(Checkpoint):
             if _validation_follows(trainer, batch_idx):
                 self._after_validation = True
             else:
-                trainer.save_checkpoint(self.path)
+                self._write(trainer)
 
     def on_validation_end(self, trainer, pl_module):
         # After the last batch, the ModelCheckpoint only acts at the epoch end: so do we.
         last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         if self._after_validation and not trainer.sanity_checking and not last:
             self._after_validation = False
-            trainer.save_checkpoint(self.path)
+            self._write(trainer)
 
     def on_train_epoch_end(self, trainer, pl_module):
         self._after_validation = False
-        trainer.save_checkpoint(self.path)
+        self._write(trainer)
+
+    def _write(self, trainer) -> None:
+        # Lightning's save flag (not a reading option): the optimiser, schedule and loop state go in too.
+        trainer.save_checkpoint(self.path, weights_only=False)
 
 
 def _validation_follows(trainer, batch_idx: int) -> bool:
@@ -157,7 +171,7 @@ def _callbacks(cfg: DictConfig, root: Path, monitor: str | None) -> tuple[list, 
                  if cb is not None]
     history = HistoryCallback(int(cfg.trainer.get("log_every_n_steps", 10)))
     resume = ResumeCheckpoint(root / "checkpoints" / "resume.ckpt", int(cfg.train.checkpoint_every_n_steps))
-    return [*callbacks, history, resume], history
+    return [PlainCheckpoint(), *callbacks, history, resume], history
 
 
 def train_draft(cfg: DictConfig, target, data, spec: MethodSpec, loggers: list | None = None) -> TrainResult:
@@ -197,7 +211,8 @@ def train_draft(cfg: DictConfig, target, data, spec: MethodSpec, loggers: list |
     with warnings.catch_warnings():
         # Our DataModule restores the data position itself; Lightning cannot see that and warns.
         warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
-        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+        # Our own resume state: the weights_only reader unless an older run wrote it with config objects inside.
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=not (ckpt_path and unsafe_objects(resume)))
     with ranks.main_first("draft"):
         if trainer.global_rank == 0:
             _recover_history(history, resume)
@@ -233,7 +248,7 @@ def _recover_history(history: HistoryCallback, resume: Path) -> None:
     weights: take them from the last resume checkpoint (written at the last epoch end, after its validation)."""
     if history.rows or not resume.exists():
         return
-    state = torch.load(resume, map_location="cpu", weights_only=False).get("callbacks", {})
+    state = load_file(resume, trusted=True).get("callbacks", {})  # the run's own artifact
     saved = state.get(history.state_key)
     if saved:
         history.load_state_dict(saved)
@@ -252,7 +267,7 @@ def _save(cfg, spec, key, root, module, target, callbacks, history, has_val, tra
     if not has_val:
         best = {"checkpoint": None, "step": int(trainer.global_step)}
     if best_path:
-        state = torch.load(best_path, map_location="cpu", weights_only=False)
+        state = load_file(best_path, trusted=True)  # the run's own artifact
         module.on_load_checkpoint(state)
         module.load_state_dict(state["state_dict"])
         best = {"checkpoint": best_path, "step": int(state.get("global_step", -1))}
