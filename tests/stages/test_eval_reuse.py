@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from draftlab.eval import reuse
+from draftlab.eval import content, reuse
 from tests.test_configs import _compose
 
 ENV = {"python": "3", "torch": "2", "transformers": "4", "accelerator": "cpu"}  # a fixed machine for key tests
@@ -54,6 +54,43 @@ def test_key_ignores_where_and_how_a_job_runs(tmp_path):
     # The store's place is not part of what is measured either.
     cfg = _compose([*EVAL, f"paths.artifacts={tmp_path / 'other'}"], tmp_path / "run", "eval")
     assert reuse.eval_key(cfg, draft_sha=None, code="c0", env=ENV) == base
+
+
+def test_key_follows_the_question_file_and_the_target_weights_by_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(content, "_CACHE", None)
+    questions = tmp_path / "questions.jsonl"
+    original = '{"question_id": 1, "category": "writing", "turns": ["Write a haiku."]}\n'
+    questions.write_text(original)
+    weights = tmp_path / "target"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"\0" * 64)
+    where = [f"bench.path={questions}", f"target.source={weights}"]
+    base = _key(tmp_path, *where)
+    questions.write_text(original.replace("haiku", "limerick"))  # edited in place: same path, same config
+    edited = _key(tmp_path, *where)
+    (weights / "model.safetensors").write_bytes(b"\1" * 64)  # weights replaced under the same path
+    replaced = _key(tmp_path, *where)
+    assert len({base, edited, replaced}) == 3
+    questions.write_text(original)
+    (weights / "model.safetensors").write_bytes(b"\0" * 64)
+    assert _key(tmp_path, *where) == base  # content, not history
+
+
+def test_a_file_is_hashed_once_while_its_size_and_time_hold(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(content, "_CACHE", None)
+    reads = []
+    monkeypatch.setattr(content, "sha256_file", lambda p: reads.append(p) or "d" * 64)
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"abc")
+    assert content.file_digest(f) == content.file_digest(f) and len(reads) == 1
+    monkeypatch.setattr(content, "_CACHE", None)  # a new process reads the kept digests
+    content.file_digest(f)
+    assert len(reads) == 1
+    f.write_bytes(b"abcd")
+    content.file_digest(f)
+    assert len(reads) == 2
 
 
 def test_source_version_changes_with_any_source_edit(tmp_path):

@@ -22,10 +22,12 @@ The key (:func:`eval_key`) names what decides the numbers an evaluation measures
   of the source, committed or not, evaluates again; it needs no git;
 - the machine's software and accelerator (:func:`environment`), since throughputs are part of what is measured.
 
-What the key cannot see is left to the user: the bench's question file and the target's weights are named by
-their config (a path, an asset name), not by content, and a served evaluation against running servers
-(``eval.served.urls``) by their URLs, not by what they serve. After changing any of those in place, run with
-``eval.reuse=false``.
+- the bench's question file and the target's weight files, by content (:mod:`draftlab.eval.content`: each file
+  hashed once and cached by size and modification time), so editing a question file or replacing weights in
+  place evaluates again.
+
+What the key cannot see is left to the user: a served evaluation against running servers (``eval.served.urls``)
+is named by their URLs, not by what they serve; after changing those, run with ``eval.reuse=false``.
 
 A reused evaluation's throughputs (tok/s, speed-ups) are those measured when it first ran: the job's record
 says so in ``eval_reuse`` (``reused_from``: the kept entry; ``measured_in``: the run directory that measured
@@ -56,7 +58,7 @@ from draftlab.utils.hashing import content_key
 
 STORE = "eval"  # <paths.artifacts>/eval/<key>/
 SCHEMA = "draftlab.eval_store/1"
-KEY_VERSION = "eval/1"
+KEY_VERSION = "eval/2"  # 2: the inputs (question file, target weights) by content
 # What an evaluation leaves in its run directory, brought over as a whole (a directory with all its files).
 RUN_FILES = ("answers", "eval_table.txt", "eval_comparison.txt", "served_comparison.txt")
 # Top-level settings that decide where a job writes and how it logs (task_name: the entry point's name), and
@@ -110,9 +112,11 @@ def measured_config(cfg: DictConfig) -> dict[str, Any]:
 def key_parts(cfg: DictConfig, *, draft_sha: str | None, code: str, trained: dict | None = None,
               env: dict[str, Any] | None = None) -> dict[str, Any]:
     """What :func:`eval_key` hashes, by name (kept beside each entry as ``key.json``)."""
+    from draftlab.eval.content import input_digests
+
     env = environment(OmegaConf.select(cfg, "target.device")) if env is None else env
-    return {"version": KEY_VERSION, "config": measured_config(cfg), "draft_sha256": draft_sha,
-            "draft_trained_config": trained, "code": code, "environment": env}
+    return {"version": KEY_VERSION, "config": measured_config(cfg), "inputs": input_digests(cfg),
+            "draft_sha256": draft_sha, "draft_trained_config": trained, "code": code, "environment": env}
 
 
 def eval_key(cfg: DictConfig, *, draft_sha: str | None, code: str, trained: dict | None = None,
