@@ -61,6 +61,23 @@ def test_waits_for_health_serves_and_stops(tmp_path):
     assert "stub serving on" in log.read_text()
 
 
+def test_a_server_start_says_where_it_listens_and_logs(tmp_path):
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())
+    logging.getLogger("draftlab").addHandler(handler)
+    try:
+        port, log = free_port(), tmp_path / "server.log"
+        with ServerProcess(_stub_cmd(port), port=port, startup_timeout=30, poll_interval=0.05, log_path=log):
+            pass
+    finally:
+        logging.getLogger("draftlab").removeHandler(handler)
+    assert any(line.startswith("starting server") and str(log) in line and f":{port}" in line for line in lines)
+    assert any(f":{port} ready in" in line for line in lines)
+
+
 def test_exception_in_block_stops_the_server():
     port = free_port()
     server = ServerProcess(_stub_cmd(port), port=port, startup_timeout=30, poll_interval=0.05)

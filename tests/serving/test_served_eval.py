@@ -59,6 +59,17 @@ def test_tau_from_counter_deltas_per_prompt_and_per_run():
     assert run.draft_tokens == 3 * run.drafts
 
 
+def test_served_requests_and_draftlab_side_show_progress_per_prompt(capsys, tiny_target):
+    from draftlab.eval.served_metrics import draftlab_chain
+
+    with SpecStub(k=3) as stub:
+        query_server(stub.url, PROMPTS, max_tokens=8, model="target", settle=0.01, desc="vllm k=3")
+    draftlab_chain(tiny_target, None, PROMPTS[:2], k=0, max_tokens=4)
+    err = capsys.readouterr().err
+    assert "vllm k=3: 100%" in err and f"{len(PROMPTS)}/{len(PROMPTS)}" in err
+    assert "draftlab AR: 100%" in err and "2/2" in err
+
+
 def test_chain_counters_count_draftlab_rounds_as_vllm_does():
     c = chain_counters([4, 1, 2, 1], k=3)  # accept lengths include the bonus token
     assert (c.drafts, c.draft_tokens, c.accepted, c.per_pos) == (4.0, 12.0, 4.0, (2.0, 1.0, 1.0))

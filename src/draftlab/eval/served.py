@@ -177,13 +177,14 @@ def _serve_all(engine: str, model: str, s: dict[str, Any], draft_dir: Path | Non
     if urls:
         if set(urls) != {"plain", "spec"} or len(ks) != 1:
             raise ConfigError("expected {plain: URL, spec: URL} and one num_speculative_tokens", field="eval.served.urls")
-        return query_server(urls["plain"], prompts, **ask)[0], {ks[0]: query_server(urls["spec"], prompts, **ask)[0]}
+        return (query_server(urls["plain"], prompts, desc=f"{engine} plain", **ask)[0],
+                {ks[0]: query_server(urls["spec"], prompts, desc=f"{engine} k={ks[0]}", **ask)[0]})
     with _server(engine, model, s, None, method, out / f"{engine}_plain.log") as server:
-        plain = query_server(server.url, prompts, **ask)[0]
+        plain = query_server(server.url, prompts, desc=f"{engine} plain", **ask)[0]
     spec = {}
     for k in ks:
         with _server(engine, model, s, draft_dir, method, out / f"{engine}_spec_k{k}.log", k=k) as server:
-            spec[k] = query_server(server.url, prompts, **ask)[0]
+            spec[k] = query_server(server.url, prompts, desc=f"{engine} k={k}", **ask)[0]
     return plain, spec
 
 

@@ -117,15 +117,18 @@ class ServedAnswer:
 
 
 def query_server(url: str, prompts: list[str], *, max_tokens: int, model: str, timeout: float = 600.0,
-                 settle: float = 0.2) -> tuple[list[ServedAnswer], SpecCounters]:
-    """Ask ``prompts`` one at a time (greedy); per prompt its answer and counter delta, plus the run's delta."""
+                 settle: float = 0.2, desc: str = "served") -> tuple[list[ServedAnswer], SpecCounters]:
+    """Ask ``prompts`` one at a time (greedy); per prompt its answer and counter delta, plus the run's delta.
+    ``desc`` names the progress bar."""
+    from tqdm.auto import tqdm
+
     from draftlab.serving import ChatClient
 
     client = ChatClient(url, model=model, concurrency=1, timeout=timeout, retries=1,
                         defaults={"temperature": 0.0, "return_token_ids": True})
     start = before = _settled_counters(url, settle)
     answers = []
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc=desc, unit="prompt"):
         (done,) = client.chat_many_sync([[{"role": "user", "content": prompt}]], max_tokens=max_tokens)
         after = _settled_counters(url, settle)
         answers.append(ServedAnswer(done.token_ids, done.text, done.prompt_token_ids, done.latency_s,
@@ -154,6 +157,8 @@ def chain_counters(accept_lengths: list[int], k: int) -> SpecCounters:
 def draftlab_chain(target, drafter, prompts: list[str], *, k: int, max_tokens: int) -> list[ChainAnswer]:
     """The same first turns through draftlab's engine (greedy), one untimed warm-up first; ``drafter=None`` is
     draftlab's AR (the reference of its speed-up; ``k`` is then 0)."""
+    from tqdm.auto import tqdm
+
     from draftlab.data.template import render_prompt
     from draftlab.decoding.engine import GenerationConfig, speculative_generate
 
@@ -161,7 +166,7 @@ def draftlab_chain(target, drafter, prompts: list[str], *, k: int, max_tokens: i
     out = []
     try:
         speculative_generate(target, target.tokenizer.encode("Hello"), drafter, GenerationConfig(max_new_tokens=8))
-        for prompt in prompts:
+        for prompt in tqdm(prompts, desc="draftlab AR" if drafter is None else f"draftlab chain k={k}", unit="prompt"):
             ids = render_prompt(target.tokenizer, [{"role": "user", "content": prompt}])
             tokens, stats = speculative_generate(target, ids, drafter, gen)
             out.append(ChainAnswer(ids, list(tokens), stats.new_tokens / max(stats.wall_time, 1e-9),

@@ -32,6 +32,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from draftlab.utils.logging import get_logger
+
+log = get_logger(__name__)
+
 VLLM_HEALTH = ("/health",)
 SGLANG_HEALTH = ("/health", "/get_model_info")
 
@@ -139,6 +143,9 @@ class ServerProcess:
             raise RuntimeError("server already started")
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         t0 = time.monotonic()
+        # A server takes minutes to load: say which, where, and where its own log goes while it does.
+        log.info("starting server %s at %s (log: %s)", Path(self.cmd[0]).name + " " + " ".join(self.cmd[1:3]),
+                 self.url, self.log_path or "discarded")
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=self.env, cwd=self.cwd, start_new_session=True)
@@ -152,6 +159,7 @@ class ServerProcess:
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
+        log.info("server at %s ready in %.0f s", self.url, self.startup_s)
         return self
 
     def healthy(self) -> bool:

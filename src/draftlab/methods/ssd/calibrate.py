@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from draftlab.decoding.engine import GenerationConfig, speculative_generate
 from draftlab.methods.ssd.cache import OutcomeCache
@@ -86,7 +87,7 @@ def measure(target, base, prompts: list[list[int]], *, depth: int, temperature: 
     ssd._start(target)
     cache = ssd.worker.cache = _Outcomes(ssd.worker.cache.outcome_drafter)
     with closing(ssd):
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(tqdm(prompts, desc=f"calibrate (T={temperature})", unit="prompt")):
             cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
                                    stop_on_eos=True)
             speculative_generate(target, prompt, ssd, cfg)
