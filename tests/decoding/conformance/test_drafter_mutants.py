@@ -238,3 +238,54 @@ def test_two_token_auto_cut_is_exact():
 def test_two_token_cut_on_the_draws_is_caught():
     freq, p = _first_token_frequency(_old_draw_block)
     assert p < P_BINOMIAL and freq > 0.53, (freq, p)
+
+
+
+def _second_slot_cut_on_its_draw(logits, *, temperature, generator, budget, top_k=None, top_p=None, **_):
+    # A slip in the cut: the first slot scored by E_q[q] as it should be, the second by q of the token it drew,
+    # so one slot's draw leaks into whether it is verified.
+    probs = logits_to_probs(logits, temperature, top_k, top_p)  # [bs-1, V]
+    tokens = sample(probs, generator)  # [bs-1]
+    scores = (probs.double() ** 2).sum(-1)
+    scores[1] = probs[1, tokens[1]].double()
+    keep = budget.choose(scores.cumprod(0), 0)
+    return tokens[:keep], None if keep == 0 else probs[:keep]
+
+
+def _second_token_frequency(draw) -> tuple[float, float]:
+    """(frequency of token 0 as the round's second emitted token, its binomial p-value against 0.5) over ROUNDS
+    rounds of a two-slot block: the first slot certain (q = p = token 0), the second q = (0.9, 0.1) against
+    p = (0.5, 0.5), under the verify cost of ``_first_token_frequency`` (a prefix pays when its score is above
+    0.5). E_q[q] = 0.82 keeps both slots in every round; q of the draw keeps the second only after drawing 0."""
+    from scipy.stats import binomtest
+
+    from draftlab.decoding.budget import TreeBudget
+    from draftlab.decoding.tree import DraftTree
+    from draftlab.decoding.verify import verify
+
+    budget = TreeBudget(VerifyCost.linear(0.01, 0.005), level_seconds=0.0, decay=1.0)
+    budget.context = 1
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.tensor([[1.0, 1e-12], [0.9, 0.1]]).log()  # [2, 2]
+    target_rows = torch.tensor([[1.0, 1e-12], [0.5, 0.5], [0.5, 0.5]]).log()  # [N <= 3, V]
+    zeros = 0
+    for _ in range(ROUNDS):
+        tokens, probs = draw(slots, temperature=1.0, generator=gen, budget=budget)
+        tree = DraftTree.chain(0, tokens, draft_probs=probs)
+        result = verify(target_rows[: tree.size], tree, temperature=1.0, generator=gen)
+        budget.observe(len(result.path) - 1)
+        zeros += result.accepted_tokens(tree)[1] == 0
+    return zeros / ROUNDS, binomtest(zeros, ROUNDS, 0.5).pvalue
+
+
+def test_two_slot_auto_cut_is_exact_at_the_second_token():
+    freq, p = _second_token_frequency(draw_block)
+    assert p > P_BINOMIAL, f"second token 0 at frequency {freq:.4f} (p = {p:.1e}); the target's is 0.5"
+
+
+def test_a_second_slot_cut_on_its_own_draw_is_caught():
+    # Exact value under the slip: 0.9 x min(1, 0.5 / 0.9) + 0.1 x 0.5 = 0.55, against the target's 0.5. One run:
+    # the real cut 0.494 (p = 0.11), the slip 0.546 (p = 6e-39). The first-round check on the tiny target does
+    # not see it (p ~ 0.5 at 300 trials): the second slot is rarely kept and accepted there.
+    freq, p = _second_token_frequency(_second_slot_cut_on_its_draw)
+    assert p < P_BINOMIAL and freq > 0.53, (freq, p)
