@@ -179,6 +179,15 @@ class StaleDraftKV(OutcomeCache):
         super().build(**request)
 
 
+class KeyedWithoutBonus(OutcomeCache):
+    """Mutant: entries looked up by the accept length j alone; the bonus token t is not part of the key."""
+
+    def lookup(self, key):
+        if key is None:
+            return None
+        return next((spec for (j, _), spec in self.entries.items() if j == key[0]), None)
+
+
 def _ssd(layers: int, cache_cls=OutcomeCache, **kw) -> Checked:
     from draftlab.methods.draft_model import DraftModelDrafter
 
@@ -206,7 +215,7 @@ def test_every_hit_is_what_the_base_drafts(tiny_target, temperature):
         assert d.checked >= 5, d.checked  # hits happened and were checked
 
 
-@pytest.mark.parametrize("mutant", [WrongKey, StaleAfterMiss, StaleDraftKV])
+@pytest.mark.parametrize("mutant", [WrongKey, StaleAfterMiss, StaleDraftKV, KeyedWithoutBonus])
 def test_cache_mutants_are_caught(tiny_target, mutant):
     with closing(_ssd(1, mutant)) as d, pytest.raises(AssertionError, match="stale"):
         _decode(tiny_target, d, 0.0)
@@ -243,6 +252,25 @@ class UnrescaledQ(OutcomeCache):
                 spec.probs = logits_to_probs(z, request["temperature"])
 
 
+class ArgmaxHitsOnly(OutcomeCache):
+    """Mutant: a cached chain is served only when its first token is the argmax of its own law (a hit filtered
+    on the value drawn, so what is verified depends on the draws)."""
+
+    def lookup(self, key):
+        spec = super().lookup(key)
+        if spec is not None and spec.probs is not None and int(spec.probs[0].argmax()) != spec.tokens[0]:
+            return None
+        return spec
+
+
+class SameSeedEveryRound(OutcomeCache):
+    """Mutant: the worker's generator reseeded identically for every build, so the cached chains are the same
+    function of their context in every sequence and round instead of fresh draws."""
+
+    def build(self, **request):
+        super().build(**dict(request, seed=0))
+
+
 # The whole target as base (q == p) at T = 0.3: plain chains are always accepted; with C = 0.25 the cached
 # chains' laws differ from p, so a misreported law shows. Tokens 6 and 7 are tested: the first round (a
 # backup) emits tokens 1-5 when it accepts its chain, so they come from the second round, a cached chain.
@@ -251,8 +279,13 @@ class UnrescaledQ(OutcomeCache):
 # ``fast`` is in the heavy tier too (a minute): the default run checks the fast backup's cached rounds with the
 # same check in test_ssd_eagle3.py::test_powered_sampling_check[fast_cached] (the backup and the cache are the
 # same code whichever base drafts), and this file's ``jit`` case keeps the draft-model base.
-POWERED = {"jit": (OutcomeCache, "jit"), "fast": (OutcomeCache, "fast"), "unrescaled": (UnrescaledQ, "jit")}
-HEAVY = {"fast", "unrescaled"}
+# ``argmax_hits`` (a cache mutant that only shows at T > 0) is killed by this check in the heavy tier (300
+# trials, about a minute). ``SameSeedEveryRound`` is not: the served branch, picked by the outcome, decides which
+# of the build's uniforms a hit drafted with, so its tokens stay close to fresh draws in this check; it is killed
+# directly by test_every_build_draws_afresh.
+POWERED = {"jit": (OutcomeCache, "jit"), "fast": (OutcomeCache, "fast"), "unrescaled": (UnrescaledQ, "jit"),
+           "argmax_hits": (ArgmaxHitsOnly, "jit")}
+HEAVY = {"fast", "unrescaled", "argmax_hits"}
 
 
 def test_a_misreported_cached_law_is_caught(tiny_target):
@@ -263,6 +296,40 @@ def test_a_misreported_cached_law_is_caught(tiny_target):
             for i, prompt in enumerate([TRAIN_PROMPTS[1], UNSEEN_PROMPT, TRAIN_PROMPTS[0]]):
                 speculative_generate(tiny_target, prompt, d, GenerationConfig(
                     max_new_tokens=40, temperature=0.3, seed=10 * seed + i, stop_on_eos=False))
+
+
+def _builds_draw_afresh(tiny_target, cache_cls) -> None:
+    """At T > 0 the cache's chains are draws seeded per build: the drafter passes a seed no earlier build of the
+    run had, and two builds of the same outcomes under different seeds draw different chains."""
+    seeds = []
+
+    class Recording(cache_cls):
+        def build(self, **request):
+            seeds.append(request["seed"])
+            super().build(**request)
+
+    with closing(_ssd(2, Recording, scale=0.5)) as d:
+        for i, prompt in enumerate([TRAIN_PROMPTS[1], TRAIN_PROMPTS[1]]):
+            speculative_generate(tiny_target, prompt, d, GenerationConfig(max_new_tokens=24, temperature=0.7,
+                                                                          seed=i, stop_on_eos=False))
+        assert len(seeds) > 4 and len(set(seeds)) == len(seeds), seeds
+        cache = cache_cls(d._outcome_drafter.portable()())
+        chain = TRAIN_PROMPTS[1][-4:]
+        drawn = []
+        for seed in (1, 2):
+            cache.build(context=TRAIN_PROMPTS[1], chain=chain, fanout=[3] * 5, depth=4, temperature=0.7, top_k=None,
+                        top_p=None, seed=seed, scale=0.5)
+            drawn.append({k: v.tokens for k, v in cache.entries.items()})
+    assert drawn[0] != drawn[1], "the same chains under two seeds: the builds do not draw afresh"
+
+
+def test_every_build_draws_afresh(tiny_target):
+    _builds_draw_afresh(tiny_target, OutcomeCache)
+
+
+def test_a_worker_reseeded_identically_is_caught(tiny_target):
+    with pytest.raises(AssertionError, match="do not draw afresh"):
+        _builds_draw_afresh(tiny_target, SameSeedEveryRound)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if c in HEAVY else c for c in POWERED])

@@ -404,7 +404,8 @@ def check_first_round_law(target, make_drafter: Callable[[], Drafter], prompt: l
     ``at``: test the output tokens ``at`` and ``at + 1`` instead of 1 and 2 (each under its law given the
     prompt and the output before it), for drafters whose interesting rounds come later (SSD's first cached
     chain is verified in the second round); fixed positions, never positions chosen by how rounds fell, which
-    would condition on the verifier's coins. Accepted tokens are then counted over every round.
+    would condition on the verifier's coins. Accepted tokens are then counted over every round, and the drafted
+    tokens of every round enter the second family.
     """
     with closing(make_drafter()) as drafter:  # the owner closes what it builds
         rows, accepted, first = [], 0, []
@@ -414,7 +415,9 @@ def check_first_round_law(target, make_drafter: Callable[[], Drafter], prompt: l
             out, stats = run(target, drafter, prompt, cfg, engine)
             accepted += sum(len(r.path) - 1 for r in (stats.trace[:1] if at == 1 else stats.trace))
             rows.append(out[:at + 2])
-            first.append(_drafted_rank_bin(stats.trace[0]) if stats.trace else None)
+            # Each round's first child is a draw from the law reported beside it, given everything before it:
+            # with ``at`` > 1 every round's counts (SSD's cached chains come in later rounds).
+            first.extend(_drafted_rank_bin(r) for r in (stats.trace[:1] if at == 1 else stats.trace))
     y = np.array(rows)  # [n, at + 2]
     law2, bin2 = _rank_bin_laws(target, [prompt + r[:at] for r in y.tolist()], y[:, at].tolist(),
                                 temperature, top_k, top_p)
