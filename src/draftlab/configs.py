@@ -1,49 +1,47 @@
 """The one step every entry point runs on a composed config before anything reads it.
 
-A method's knobs live in ``conf/method/<m>.yaml``; an experiment that needs other values selects a tuning
-(``override /tuning: <name>``), which Hydra merges (``conf/tuning/<name>/<method>.yaml``, ``conf/train.yaml``)
-after the method's file and before the command line. :func:`prepare_config` adds the one check Hydra cannot
-make: a tuning names only knobs the method has (a typo would be an unknown keyword deep inside a constructor).
+A method's knobs live in ``conf/method/<m>.yaml``, an experiment's other values for it in its tuning
+(``conf/tuning/<name>/<method>.yaml``, merged by Hydra after the method's file: ``conf/train.yaml``).
+:func:`prepare_config` adds the one check Hydra cannot make: a tuning names only knobs the method has (a typo
+would otherwise be an unknown keyword deep inside a constructor).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from draftlab.utils.conf import config_dir, method_name
+from draftlab.utils.conf import config_dir, method_name, tuning_settings
 from draftlab.utils.errors import ConfigError
 
 
-def prepare_config(cfg: DictConfig, *, overrides: list[str] | None = None, choices: dict | None = None,
-                   config_name: str = "train") -> DictConfig:
-    """Check the selected tuning against the method and route ``init.from``; returns ``cfg``.
-
-    ``overrides`` / ``choices``: the command line and the group choices it led to (default: the running Hydra
-    job's); the check composes them again without the tuning to learn which knobs the method itself has."""
+def prepare_config(cfg: DictConfig, *, overrides: list[str] | None = None, choices: dict | None = None) -> DictConfig:
+    """Check the selected tuning against the method and route ``init.from``; returns ``cfg``. ``overrides`` /
+    ``choices``: the command line and the group choices it led to (default: the running Hydra job's)."""
     if choices is None:
         from hydra.core.hydra_config import HydraConfig
 
         hc = HydraConfig.get() if HydraConfig.initialized() else None
         overrides = list(hc.overrides.task) if hc else list(overrides or ())
         choices = dict(hc.runtime.choices) if hc else {}
-        config_name = hc.job.config_name if hc and hc.job.config_name else config_name
-    tuning, choice = choices.get("tuning"), choices.get("method") or _method_name(cfg)
+    tuning, choice = choices.get("tuning"), choices.get("method") or OmegaConf.select(cfg, "method.name", default="")
     if tuning not in (None, "none") and "method" in cfg:
         folder = Path(config_dir()) / "tuning" / str(tuning)
         if not folder.is_dir():
             raise ConfigError(f"no tuning '{tuning}' (conf/tuning/{tuning}/ does not exist)", field="tuning")
-        if (folder / f"{method_name(choice)}.yaml").exists():
-            plain = compose_train_config([*overrides, "tuning=none"], config_name, prepare=False)
-            _check_knobs(cfg.method, plain.method, f"conf/tuning/{tuning}/{method_name(choice)}.yaml")
+        if (folder / f"{method_name(choice)}.yaml").exists():  # its knobs against the method's own
+            own = tuple(o for o in overrides if o.split("=")[0].lstrip("+~").startswith(("method.", "method@method")))
+            _check_knobs(tuning_settings(str(tuning), method_name(choice)), _own_method(config_dir(), str(choice), own),
+                         f"conf/tuning/{tuning}/{method_name(choice)}.yaml")
     _route_init(cfg, f"conf/method/{choice}.yaml")
     return cfg
 
 
 def compose_train_config(overrides: list[str], config_name: str = "train", *, prepare: bool = True) -> DictConfig:
-    """The real ``conf/`` composed with ``overrides`` (outside a Hydra app or inside one), prepared as the entry
-    points prepare theirs."""
+    """The real ``conf/`` composed with ``overrides`` (outside a Hydra app or inside one), prepared as the entry points
+    prepare theirs."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -60,16 +58,18 @@ def compose_train_config(overrides: list[str], config_name: str = "train", *, pr
         with initialize_config_dir(config_dir=config_dir(), version_base=None):
             cfg, choices = composed()
     if prepare:
-        prepare_config(cfg, overrides=list(overrides), choices=choices, config_name=config_name)
+        prepare_config(cfg, overrides=list(overrides), choices=choices)
     return cfg
 
 
-def _method_name(cfg: DictConfig) -> str:
-    return str(OmegaConf.select(cfg, "method.name", default=""))
+@functools.lru_cache(maxsize=64)
+def _own_method(conf: str, choice: str, overrides: tuple[str, ...]) -> DictConfig:
+    """The method config ``choice`` with the command line's method settings, without any tuning (read only)."""
+    return compose_train_config([f"method={choice}", "tuning=none", *overrides], prepare=False).method
 
 
 def _check_knobs(tuned: DictConfig, plain: DictConfig, file: str, prefix: str = "") -> None:
-    """``ConfigError`` for the first setting of ``tuned`` that ``plain`` (the method without the tuning) lacks."""
+    """``ConfigError`` for the first setting of ``tuned`` (a tuning's) that ``plain`` (the method's own) lacks."""
     for key, value in tuned.items_ex(resolve=False):
         path = f"{prefix}{key}"
         if key not in plain:
@@ -97,7 +97,7 @@ def _route_init(cfg: DictConfig, method_file: str) -> None:
         return
     owner = "method.base" if OmegaConf.select(cfg, "method.base") is not None else "method"
     if OmegaConf.select(cfg, f"{owner}.draft") is None:
-        raise ConfigError(f"method '{_method_name(cfg)}' trains no draft to start from ({method_file})",
+        raise ConfigError(f"method '{OmegaConf.select(cfg, 'method.name')}' trains no draft to start from ({method_file})",
                           field="init.from")
     here = OmegaConf.select(cfg, f"{owner}.draft.init.from", default=None, throw_on_missing=False)
     if here is not None and (missing or str(here) != str(cfg.init["from"])):

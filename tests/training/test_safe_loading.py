@@ -73,17 +73,3 @@ def test_the_export_command_refuses_it_in_one_line(tmp_path):
     line = _one_line(proc)
     assert line.startswith(f"error: {ckpt}: ") and "trust_checkpoint=true" in line
     assert not marker.exists() and not (tmp_path / "out").exists()
-
-
-def test_training_writes_its_checkpoints_without_lightnings_notice(tmp_path, monkeypatch, shared_data, caplog):
-    from draftlab.stages.pipeline import run_pipeline
-    from tests.test_configs import _compose
-
-    monkeypatch.setenv("DRAFTLAB_SHARED_DATA", str(shared_data))
-    cfg = _compose(["experiment=tiny", "logger=csv", "trainer.max_epochs=2", "eval.enabled=false",
-                    "train.checkpoint_every_n_steps=1", f"paths.artifacts={tmp_path / 'artifacts'}"], tmp_path)
-    with caplog.at_level("INFO", logger="lightning"):
-        run_pipeline(cfg, stage="train")
-    ckpts = sorted((tmp_path / "artifacts").rglob("*.ckpt"))
-    assert ckpts and all(unsafe_objects(c) == [] for c in ckpts)
-    assert not [r for r in caplog.records if "weights_only" in r.getMessage()]  # once per save before

@@ -31,6 +31,20 @@ def method_name(choice: str) -> str:
     return method_name(base) if base else str(choice)
 
 
+def tuning_settings(tuning: str, name: str):
+    """The settings ``conf/tuning/<tuning>/<name>.yaml`` gives a method, with those of the tunings it extends (its
+    defaults, ``/tuning/<t>/<m>@_here_``, merged first), as one DictConfig."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(Path(config_dir()) / "tuning" / tuning / f"{name}.yaml")
+    merged = OmegaConf.create()
+    for entry in node.pop("defaults", None) or ():
+        if entry != "_self_":
+            base_tuning, base_name = str(entry).removeprefix("/tuning/").split("@")[0].split("/")
+            merged = OmegaConf.merge(merged, tuning_settings(base_tuning, base_name))
+    return OmegaConf.merge(merged, node)
+
+
 def register_resolvers() -> None:
     """``${auto_precision:<accelerator>}`` and ``${method_name:<choice>}`` (idempotent)."""
     from omegaconf import OmegaConf

@@ -252,8 +252,8 @@ def _second_slot_cut_on_its_draw(logits, *, temperature, generator, budget, top_
     return tokens[:keep], None if keep == 0 else probs[:keep]
 
 
-def _second_token_frequency(draw) -> tuple[float, float]:
-    """(frequency of token 0 as the round's second emitted token, its binomial p-value against 0.5) over ROUNDS
+def _second_token_frequency(draw, rounds: int = ROUNDS // 2) -> tuple[float, float]:
+    """(frequency of token 0 as the round's second emitted token, its binomial p-value against 0.5) over ``rounds``
     rounds of a two-slot block: the first slot certain (q = p = token 0), the second q = (0.9, 0.1) against
     p = (0.5, 0.5), under the verify cost of ``_first_token_frequency`` (a prefix pays when its score is above
     0.5). E_q[q] = 0.82 keeps both slots in every round; q of the draw keeps the second only after drawing 0."""
@@ -269,13 +269,13 @@ def _second_token_frequency(draw) -> tuple[float, float]:
     slots = torch.tensor([[1.0, 1e-12], [0.9, 0.1]]).log()  # [2, 2]
     target_rows = torch.tensor([[1.0, 1e-12], [0.5, 0.5], [0.5, 0.5]]).log()  # [N <= 3, V]
     zeros = 0
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         tokens, probs = draw(slots, temperature=1.0, generator=gen, budget=budget)
         tree = DraftTree.chain(0, tokens, draft_probs=probs)
         result = verify(target_rows[: tree.size], tree, temperature=1.0, generator=gen)
         budget.observe(len(result.path) - 1)
         zeros += result.accepted_tokens(tree)[1] == 0
-    return zeros / ROUNDS, binomtest(zeros, ROUNDS, 0.5).pvalue
+    return zeros / rounds, binomtest(zeros, rounds, 0.5).pvalue
 
 
 def test_two_slot_auto_cut_is_exact_at_the_second_token():
