@@ -112,6 +112,9 @@ class ResumeCheckpoint(Checkpoint):
     and at the validation's end for a ``val_check_interval`` batch.
     """
 
+    # As ModelCheckpoint's option: the optimiser, schedule and loop state are written too (a resume needs them).
+    save_weights_only = False
+
     def __init__(self, path: Path, every: int):
         self.path, self.every = str(path), every
         self._after_validation = False
@@ -135,8 +138,7 @@ class ResumeCheckpoint(Checkpoint):
         self._write(trainer)
 
     def _write(self, trainer) -> None:
-        # Lightning's save flag (not a reading option): the optimiser, schedule and loop state go in too.
-        trainer.save_checkpoint(self.path, weights_only=False)
+        trainer.save_checkpoint(self.path, self.save_weights_only)
 
 
 def _validation_follows(trainer, batch_idx: int) -> bool:
