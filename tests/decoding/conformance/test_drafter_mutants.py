@@ -204,11 +204,11 @@ ROUNDS = 20_000
 P_BINOMIAL = 1e-6
 
 
-def _first_token_frequency(draw) -> tuple[float, float]:
-    """(frequency of token 0 as the round's first emitted token, its binomial p-value against 0.5) over
-    ROUNDS rounds: target p = (0.5, 0.5), one draft slot q = (0.9, 0.1), a verify pass of r rows at
-    0.01 + 0.005 (r - 1) seconds, so a slot is worth its row exactly when its score is above 0.5 (the
-    budget's calibration held at its prior, 1): the draw 0 (q 0.9) is, the draw 1 (q 0.1) is not."""
+def _token_frequency(draw, slots, target_rows, position: int, rounds: int) -> tuple[float, float]:
+    """(frequency of token 0 as the round's ``position``-th emitted token, its binomial p-value against 0.5) over
+    ``rounds`` rounds of ``draw`` on slot logits ``slots [bs-1, V]``, verified against ``target_rows [N, V]``
+    (log-probs), under a verify pass of r rows at 0.01 + 0.005 (r - 1) seconds: a prefix is worth its rows
+    exactly when its score is above 0.5 (the budget's calibration held at its prior, 1)."""
     from scipy.stats import binomtest
 
     from draftlab.decoding.budget import TreeBudget
@@ -218,27 +218,21 @@ def _first_token_frequency(draw) -> tuple[float, float]:
     budget = TreeBudget(VerifyCost.linear(0.01, 0.005), level_seconds=0.0, decay=1.0)
     budget.context = 1
     gen = torch.Generator().manual_seed(0)
-    slot = torch.tensor([[0.9, 0.1]]).log()  # [1, 2]
-    target_rows = torch.zeros(2, 2)  # [N <= 2, V]: p = (0.5, 0.5) at every node
     zeros = 0
-    for _ in range(ROUNDS):
-        tokens, probs = draw(slot, temperature=1.0, generator=gen, budget=budget)
+    for _ in range(rounds):
+        tokens, probs = draw(slots, temperature=1.0, generator=gen, budget=budget)
         tree = DraftTree.chain(0, tokens, draft_probs=probs)
         result = verify(target_rows[: tree.size], tree, temperature=1.0, generator=gen)
         budget.observe(len(result.path) - 1)
-        zeros += result.accepted_tokens(tree)[0] == 0
-    return zeros / ROUNDS, binomtest(zeros, ROUNDS, 0.5).pvalue
+        zeros += result.accepted_tokens(tree)[position] == 0
+    return zeros / rounds, binomtest(zeros, rounds, 0.5).pvalue
 
 
-def test_two_token_auto_cut_is_exact():
-    freq, p = _first_token_frequency(draw_block)
-    assert p > P_BINOMIAL, f"first token 0 at frequency {freq:.4f} (p = {p:.1e}); the target's is 0.5"
-
-
-def test_two_token_cut_on_the_draws_is_caught():
-    freq, p = _first_token_frequency(_old_draw_block)
-    assert p < P_BINOMIAL and freq > 0.53, (freq, p)
-
+def _first_token_frequency(draw) -> tuple[float, float]:
+    """Target p = (0.5, 0.5), one draft slot q = (0.9, 0.1): the draw 0 (q 0.9) is worth its row, the draw 1
+    (q 0.1) is not; the first emitted token over ROUNDS rounds (``_token_frequency``)."""
+    slot = torch.tensor([[0.9, 0.1]]).log()  # [1, 2]
+    return _token_frequency(draw, slot, torch.zeros(2, 2), 0, ROUNDS)  # p = (0.5, 0.5) at every node
 
 
 def _second_slot_cut_on_its_draw(logits, *, temperature, generator, budget, top_k=None, top_p=None, **_):
@@ -252,40 +246,33 @@ def _second_slot_cut_on_its_draw(logits, *, temperature, generator, budget, top_
     return tokens[:keep], None if keep == 0 else probs[:keep]
 
 
-def _second_token_frequency(draw, rounds: int = ROUNDS // 2) -> tuple[float, float]:
-    """(frequency of token 0 as the round's second emitted token, its binomial p-value against 0.5) over ``rounds``
-    rounds of a two-slot block: the first slot certain (q = p = token 0), the second q = (0.9, 0.1) against
-    p = (0.5, 0.5), under the verify cost of ``_first_token_frequency`` (a prefix pays when its score is above
-    0.5). E_q[q] = 0.82 keeps both slots in every round; q of the draw keeps the second only after drawing 0."""
-    from scipy.stats import binomtest
-
-    from draftlab.decoding.budget import TreeBudget
-    from draftlab.decoding.tree import DraftTree
-    from draftlab.decoding.verify import verify
-
-    budget = TreeBudget(VerifyCost.linear(0.01, 0.005), level_seconds=0.0, decay=1.0)
-    budget.context = 1
-    gen = torch.Generator().manual_seed(0)
+def _second_token_frequency(draw) -> tuple[float, float]:
+    """A two-slot block: the first slot certain (q = p = token 0), the second q = (0.9, 0.1) against
+    p = (0.5, 0.5). E_q[q] = 0.82 keeps both slots in every round; q of the draw keeps the second only after
+    drawing 0. The second emitted token over ROUNDS / 2 rounds (``_token_frequency``)."""
     slots = torch.tensor([[1.0, 1e-12], [0.9, 0.1]]).log()  # [2, 2]
     target_rows = torch.tensor([[1.0, 1e-12], [0.5, 0.5], [0.5, 0.5]]).log()  # [N <= 3, V]
-    zeros = 0
-    for _ in range(rounds):
-        tokens, probs = draw(slots, temperature=1.0, generator=gen, budget=budget)
-        tree = DraftTree.chain(0, tokens, draft_probs=probs)
-        result = verify(target_rows[: tree.size], tree, temperature=1.0, generator=gen)
-        budget.observe(len(result.path) - 1)
-        zeros += result.accepted_tokens(tree)[1] == 0
-    return zeros / rounds, binomtest(zeros, rounds, 0.5).pvalue
+    return _token_frequency(draw, slots, target_rows, 1, ROUNDS // 2)
 
 
-def test_two_slot_auto_cut_is_exact_at_the_second_token():
-    freq, p = _second_token_frequency(draw_block)
-    assert p > P_BINOMIAL, f"second token 0 at frequency {freq:.4f} (p = {p:.1e}); the target's is 0.5"
+# name: (the emitted token it looks at, the slip it catches). The first-token slip is the cut as it was before the
+# fix (0.549 against 0.5 over 20k rounds). The second-slot slip: exact value 0.9 x min(1, 0.5 / 0.9) + 0.1 x 0.5
+# = 0.55; one run over 10k rounds gave the real cut 0.493 (p = 0.15), the slip 0.545 (p = 3e-19). The
+# first-round check on the tiny target does not see it (p ~ 0.5 at 300 trials): the second slot is rarely kept
+# and accepted there.
+TWO_TOKEN = {"first_token": (_first_token_frequency, _old_draw_block),
+             "second_token": (_second_token_frequency, _second_slot_cut_on_its_draw)}
 
 
-def test_a_second_slot_cut_on_its_own_draw_is_caught():
-    # Exact value under the slip: 0.9 x min(1, 0.5 / 0.9) + 0.1 x 0.5 = 0.55, against the target's 0.5. One run:
-    # the real cut 0.494 (p = 0.11), the slip 0.546 (p = 6e-39). The first-round check on the tiny target does
-    # not see it (p ~ 0.5 at 300 trials): the second slot is rarely kept and accepted there.
-    freq, p = _second_token_frequency(_second_slot_cut_on_its_draw)
+@pytest.mark.parametrize("case", list(TWO_TOKEN))
+def test_the_auto_cut_is_exact(case):
+    frequency, _ = TWO_TOKEN[case]
+    freq, p = frequency(draw_block)
+    assert p > P_BINOMIAL, f"{case}: token 0 at frequency {freq:.4f} (p = {p:.1e}); the target's is 0.5"
+
+
+@pytest.mark.parametrize("case", list(TWO_TOKEN))
+def test_a_cut_on_the_draws_is_caught(case):
+    frequency, slip = TWO_TOKEN[case]
+    freq, p = frequency(slip)
     assert p < P_BINOMIAL and freq > 0.53, (freq, p)
