@@ -194,10 +194,10 @@ class _RecordingBlocks(DFlashDrafter):
         super().__init__(draft, block_size=block_size, sampling="argmax")
         self.rounds: list[torch.Tensor] = []
 
-    def _block_logits(self, inputs):
-        logits = super()._block_logits(inputs)  # [bs-1, V]
+    def _block_pass(self, inputs):
+        hidden, logits = super()._block_pass(inputs)  # [bs-1, d], [bs-1, V]
         self.rounds.append(torch.log_softmax(logits.float(), -1).clone())
-        return logits
+        return hidden, logits
 
 
 @pytest.fixture(scope="module")

@@ -74,10 +74,11 @@ class InformedBlock(DFlashDrafter):
         self._target = state.target
         return super().propose(state)
 
-    def _block_logits(self, inputs):
+    def _block_pass(self, inputs):
+        hidden, _ = super()._block_pass(inputs)
         with torch.no_grad():
             base = self._target.forward(torch.tensor([self._seq])).logits[0, -1]  # [V]
-        return (base[None] * self.scale + self.noise)[: self.block_size - 1]  # [bs-1, V]
+        return hidden, (base[None] * self.scale + self.noise)[: self.block_size - 1]  # [bs-1, d], [bs-1, V]
 
 
 class CutOnSampledProbability(InformedBlock):

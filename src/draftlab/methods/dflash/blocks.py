@@ -126,8 +126,9 @@ def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask
                   labels=labels, label_valid=valid, ctx_mask=context_mask(anchors, attention_mask, bs))
 
 
-def block_logits(draft: DFlashDraft, aux: torch.Tensor, blocks: Blocks, block_size: int | None = None) -> torch.Tensor:
-    """Draft logits ``[B, A, bs-1, V]`` of the labelled slots of every packed block.
+def block_states(draft: DFlashDraft, aux: torch.Tensor, blocks: Blocks, block_size: int | None = None) -> torch.Tensor:
+    """Final-norm draft states ``[B, A, bs-1, d]`` of the labelled slots of every packed block (what the LM
+    head reads).
 
     ``block_size``: the blocks' size when it is not the draft's trained one (a drafter may run shorter blocks).
     """
@@ -138,10 +139,19 @@ def block_logits(draft: DFlashDraft, aux: torch.Tensor, blocks: Blocks, block_si
     hidden = draft.forward_blocks(blocks.block_ids, blocks.positions, ctx_kv, blocks.ctx_mask,
                                   block_size=bs)  # [B, A*bs, d]
     A = blocks.anchors.shape[1]
-    # The anchor slot has no label: skip its LM head (a V-wide row per block). Flattened to one matrix:
-    # a strided 4-D input would make the head a batched matmul over copies of the [V, d] weight.
-    hidden = hidden.view(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)  # [B*A*(bs-1), d]
-    return draft.logits(hidden).view(B, A, bs - 1, -1)  # [B, A, bs-1, V]
+    return hidden.view(B, A, bs, -1)[:, :, 1:]  # the anchor slot has no label
+
+
+def slot_logits(draft: DFlashDraft, states: torch.Tensor) -> torch.Tensor:
+    """The LM head on slot states ``[B, A, k, d]`` -> ``[B, A, k, V]``, as one matrix product: a strided 4-D
+    input would make the head a batched matmul over copies of the [V, d] weight."""
+    B, A, k, d = states.shape
+    return draft.logits(states.reshape(B * A * k, d)).view(B, A, k, -1)
+
+
+def block_logits(draft: DFlashDraft, aux: torch.Tensor, blocks: Blocks, block_size: int | None = None) -> torch.Tensor:
+    """Draft logits ``[B, A, bs-1, V]`` of the labelled slots of every packed block."""
+    return slot_logits(draft, block_states(draft, aux, blocks, block_size))
 
 
 def block_loss(logits: torch.Tensor, blocks: Blocks, gamma: float) -> BlockOutput:

@@ -167,8 +167,13 @@ class DFlashDrafter(Drafter):
         positions = torch.arange(n - 1, n - 1 + bs, device=device)  # [bs]
         if self.budget is not None:
             self.budget.context = n  # the verify pass attends over all of them
-        block = self.budget.timed(self._block_logits) if self.budget is not None else self._block_logits
-        logits = block((ids, positions))  # [bs-1, V]
+        block = self.budget.timed(self._block_pass) if self.budget is not None else self._block_pass
+        hidden, logits = block((ids, positions))  # [bs-1, d], [bs-1, V]
+        return self._proposal(state, hidden, logits)
+
+    def _proposal(self, state: DecodeState, hidden: torch.Tensor, logits: torch.Tensor) -> DraftTree:
+        """The round's tree from the block's slot states ``[bs-1, d]`` and logits ``[bs-1, V]`` (the hook a
+        block drafter built on DFlash overrides: a selector, a Markov head)."""
         tokens, probs = self._draw_chain(logits, state)
         return DraftTree.chain(state.root, tokens.cpu(), draft_probs=probs)
 
@@ -176,10 +181,10 @@ class DFlashDrafter(Drafter):
         return draw_block(logits, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
                           generator=state.generator, sampling=self.sampling, budget=self.budget)
 
-    def _block_logits(self, inputs) -> torch.Tensor:
+    def _block_pass(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         ids, positions = inputs
         hidden = self.draft.forward_blocks(ids, positions, self._ctx.view(), None, block_size=self.block_size)  # [1, bs, d]
-        return self.draft.logits(hidden[0, 1:])  # [bs-1, V]
+        return hidden[0, 1:], self.draft.logits(hidden[0, 1:])  # [bs-1, d], [bs-1, V]
 
     @torch.no_grad()
     def update(self, state: DecodeState, out: VerifyOutput) -> None:
