@@ -25,6 +25,8 @@ LAYERS = ("utils", "assets", "configs", "tracking", "kernels", "nn", "targets", 
 # and Draft-OPD compose their parts through config and the method registry, not by import.)
 ALLOWED_METHOD_EDGES = {
     ("confu", "eagle3"),  # ConFu is an EAGLE-3 draft plus contemplate tokens and a future vector
+    ("dspark", "dflash"),  # DSpark is a DFlash block draft plus a Markov head and a confidence head
+    ("dflash2", "dflash"),  # DFlash2 is a DFlash block draft plus block convolutions and a candidate selector
 }
 
 

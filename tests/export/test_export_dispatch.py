@@ -149,9 +149,9 @@ def test_dflash_exports_from_the_command_line(dflash_draft, tiny_target, tmp_pat
     calls = []
     real = dflash_export.validate
 
-    def counting(path, *, target=None):
+    def counting(path, *, target=None, **kind):
         calls.append(Path(path))
-        return real(path, target=target)
+        return real(path, target=target, **kind)
 
     monkeypatch.setattr(dflash_export, "validate", counting)
     common = ["method=dflash", "target=tiny_random", *DFLASH, f"paths.log_dir={tmp_path / 'logs'}"]

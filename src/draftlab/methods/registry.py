@@ -261,7 +261,8 @@ class MethodSpec:
     # ---- exports (``draftlab-export``) ---------------------------------------------------------------
 
     def _export_part(self, key: str) -> dict[str, Any]:
-        return dict((self.block("export") or {}).get(key) or {})
+        # A null entry drops what the config it extends declares (DFlash2 does not write DFlash's format).
+        return {k: v for k, v in ((self.block("export") or {}).get(key) or {}).items() if v is not None}
 
     @property
     def export_formats(self) -> list[str]:

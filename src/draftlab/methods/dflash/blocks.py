@@ -163,10 +163,18 @@ def block_loss(logits: torch.Tensor, blocks: Blocks, gamma: float) -> BlockOutpu
     wv = w * valid  # [B, A, K]
     loss_sum, weight_sum = (ce * wv).sum(), wv.sum()
     with torch.no_grad():
-        ok = (logits.argmax(-1) == blocks.labels) & valid  # [B, A, K]
-        prefix = ok.long().cumprod(dim=-1).bool()  # [B, A, K]: slots 1..k all right
-        before = torch.cat([blocks.keep[:, :, None], prefix[:, :, :-1]], dim=-1)  # [B, A, K]: slots 1..k-1 right
-        per_slot = {"correct": ok.sum((0, 1)), "count": valid.sum((0, 1)),
-                    "cond_correct": prefix.sum((0, 1)), "cond_count": (before & valid).sum((0, 1))}
+        per_slot = slot_sums((logits.argmax(-1) == blocks.labels) & valid, blocks)
     return BlockOutput(loss=loss_sum / weight_sum.clamp_min(1e-12), loss_sum=loss_sum, weight_sum=weight_sum,
-                       per_slot={k: v.double() for k, v in per_slot.items()})
+                       per_slot=per_slot)
+
+
+def slot_sums(ok: torch.Tensor, blocks: Blocks) -> dict[str, torch.Tensor]:
+    """``SUMMED`` counts ``[K]`` (double) per block slot of a greedy chain whose slot predictions are right where
+    ``ok [B, A, K]`` (already restricted to valid labels): right, labelled, right with every earlier slot right,
+    and labelled with every earlier slot right (the conditional accuracy ``simulated_tau`` reads)."""
+    valid = blocks.label_valid
+    prefix = ok.long().cumprod(dim=-1).bool()  # [B, A, K]: slots 1..k all right
+    before = torch.cat([blocks.keep[:, :, None], prefix[:, :, :-1]], dim=-1)  # [B, A, K]: slots 1..k-1 right
+    sums = {"correct": ok.sum((0, 1)), "count": valid.sum((0, 1)),
+            "cond_correct": prefix.sum((0, 1)), "cond_count": (before & valid).sum((0, 1))}
+    return {k: v.double() for k, v in sums.items()}

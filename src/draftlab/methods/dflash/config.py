@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from draftlab.nn import LlamaLayerGeometry
 from draftlab.targets.base import LayerConvention, to_convention
@@ -43,6 +43,22 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+
+    # The architecture an export names; a successor (DFlash2, DSpark) names its own and adds its fields.
+    architecture: ClassVar[str] = "DFlashDraftModel"
+
+    def extra_dflash_config(self) -> dict[str, Any]:
+        """The ``dflash_config`` keys beyond mask / taps / block size that a successor's export carries."""
+        return {}
+
+    @classmethod
+    def fields_from_dflash_config(cls, dflash_config: dict[str, Any]) -> dict[str, Any]:
+        """This class's own fields read from an export's ``dflash_config`` (``KeyError`` when one is missing)."""
+        return {}
+
+    def extra_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A successor's own exported tensors and their shapes (beyond DFlash's)."""
+        return {}
 
     def __post_init__(self) -> None:
         self.layer_convention = LayerConvention(self.layer_convention).value

@@ -33,7 +33,6 @@ from draftlab.nn.placement import target_device
 from draftlab.targets.base import LayerConvention
 from draftlab.utils.atomic import atomic_dir
 
-ARCHITECTURE = "DFlashDraftModel"
 MODEL_TYPE = "qwen3"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -49,7 +48,8 @@ _TARGET_KEYS = ("embed_tokens.weight", "lm_head.weight", "embed_weight", "lm_hea
 
 
 def expected_shapes(c: DFlashConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a DFlash export with ``c`` and its shape."""
+    """Every tensor of a DFlash export with ``c`` and its shape (a successor's own tensors included:
+    ``c.extra_shapes()``)."""
     d, ff, hd = c.hidden_size, c.intermediate_size, c.head_dim
     q_out, kv_out = c.num_heads * hd, c.num_kv_heads * hd
     shapes: dict[str, tuple[int, ...]] = {"fc.weight": (d, c.num_taps * d), "hidden_norm.weight": (d,),
@@ -69,6 +69,7 @@ def expected_shapes(c: DFlashConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (ff, d),
             p + "mlp.down_proj.weight": (d, ff),
         })
+    shapes.update(c.extra_shapes())
     return shapes
 
 
@@ -89,7 +90,7 @@ def hf_config(c: DFlashConfig, *, torch_dtype: str, target=None, max_position_em
     taps = c.taps_in(LayerConvention.OUTPUT_OF)
     rope_parameters = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
+        "architectures": [c.architecture],
         "model_type": MODEL_TYPE,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
@@ -115,7 +116,8 @@ def hf_config(c: DFlashConfig, *, torch_dtype: str, target=None, max_position_em
         "torch_dtype": torch_dtype,
         "num_target_layers": c.num_target_layers,
         "block_size": c.block_size,
-        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": taps, "block_size": c.block_size},
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": taps, "block_size": c.block_size,
+                          **c.extra_dflash_config()},
     }
     if c.rope_scaling:
         out["rope_scaling"] = dict(c.rope_scaling)
@@ -156,9 +158,9 @@ def save(draft: DFlashDraft, out_dir: str | Path, *, target=None, dtype: str | t
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        problems = validate(tmp, target=target)
+        problems = validate(tmp, target=target, config_class=type(draft.config))
         if problems:
-            raise ValueError(f"refusing to write an invalid DFlash export to {out}:\n  - " + "\n  - ".join(problems))
+            raise ValueError(f"refusing to write an invalid {draft.config.architecture} export to {out}:\n  - " + "\n  - ".join(problems))
     return out
 
 
@@ -177,15 +179,15 @@ def _int(cfg: dict, key: str, problems: list[str], *, where: str = "config.json"
     return v
 
 
-def config_from_hf(cfg: dict[str, Any]) -> DFlashConfig:
-    """A ``DFlashConfig`` from a ``config.json`` dict: the draftlab block if present, else the plain keys.
+def config_from_hf(cfg: dict[str, Any], config_class: type[DFlashConfig] = DFlashConfig) -> DFlashConfig:
+    """A ``config_class`` from a ``config.json`` dict: the draftlab block if present, else the plain keys.
 
     Plain (z-lab) configs name their taps in ``dflash_config.target_layer_ids`` (output_of), falling back
     to DFlash's defaults for ``num_target_layers`` and the draft depth, as the reference loader does.
     """
     block = cfg.get(DRAFTLAB_BLOCK)
     if isinstance(block, dict) and isinstance(block.get("dflash_config"), dict):
-        return DFlashConfig.from_dict(dict(block["dflash_config"]))
+        return config_class.from_dict(dict(block["dflash_config"]))
     dc = cfg.get("dflash_config") or {}
     d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     layers = int(cfg["num_hidden_layers"])
@@ -194,7 +196,8 @@ def config_from_hf(cfg: dict[str, Any]) -> DFlashConfig:
     if taps is None:
         taps = default_taps(n_target, layers)
     rope_theta, rope_scaling = rope_from_hf_config(SimpleNamespace(**cfg))
-    return DFlashConfig(
+    return config_class(
+        **config_class.fields_from_dflash_config(dc),
         hidden_size=d, intermediate_size=int(cfg["intermediate_size"]), num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or d // heads),
         vocab_size=int(cfg["vocab_size"]), num_layers=layers,
@@ -204,10 +207,10 @@ def config_from_hf(cfg: dict[str, Any]) -> DFlashConfig:
     )
 
 
-def _check_config(cfg: dict[str, Any], problems: list[str]) -> DFlashConfig | None:
-    archs = cfg.get("architectures")
-    if not isinstance(archs, list) or ARCHITECTURE not in archs:
-        problems.append(f"config.json 'architectures' must list '{ARCHITECTURE}', got {archs!r}")
+def _check_config(cfg: dict[str, Any], problems: list[str], config_class: type[DFlashConfig]) -> DFlashConfig | None:
+    archs, arch = cfg.get("architectures"), config_class.architecture
+    if not isinstance(archs, list) or arch not in archs:
+        problems.append(f"config.json 'architectures' must list '{arch}', got {archs!r}")
     if cfg.get("model_type") != MODEL_TYPE:
         problems.append(f"config.json 'model_type' must be '{MODEL_TYPE}' (DFlash layers are Qwen3 layers), "
                         f"got {cfg.get('model_type')!r}")
@@ -240,9 +243,12 @@ def _check_config(cfg: dict[str, Any], problems: list[str]) -> DFlashConfig | No
     if problems:
         return None
     try:
-        c = config_from_hf(cfg)
-    except (KeyError, TypeError, ValueError) as e:
-        problems.append(f"config.json does not describe a DFlash draft: {e}")
+        c = config_from_hf(cfg, config_class)
+    except KeyError as e:
+        problems.append(f"dflash_config lacks {e} (a {arch} field)")
+        return None
+    except (TypeError, ValueError) as e:
+        problems.append(f"config.json does not describe a {arch} draft: {e}")
         return None
     # The draftlab block must describe the same draft as the keys engines read.
     seen = {"hidden_size": sizes["hidden_size"], "intermediate_size": sizes["intermediate_size"],
@@ -255,6 +261,9 @@ def _check_config(cfg: dict[str, Any], problems: list[str]) -> DFlashConfig | No
     if c.taps_in(LayerConvention.OUTPUT_OF) != taps:
         problems.append(f"draftlab block taps {c.taps_in(LayerConvention.OUTPUT_OF)} (output_of) disagree with "
                         f"dflash_config target_layer_ids {taps}")
+    for k, v in c.extra_dflash_config().items():
+        if dc.get(k) != v:
+            problems.append(f"dflash_config '{k}' is {dc.get(k)!r} where the draft has {v!r}")
     return c
 
 
@@ -308,7 +317,7 @@ def _check_target(c: DFlashConfig, target, problems: list[str]) -> None:
         problems.append(f"target_layer_ids {bad} are not layers of the {g.num_layers}-layer target")
 
 
-def validate(path: str | Path, *, target=None) -> list[str]:
+def validate(path: str | Path, *, target=None, config_class: type[DFlashConfig] = DFlashConfig) -> list[str]:
     """Every problem an engine or the DFlash loader would hit with the export at ``path`` (empty = valid).
 
     With ``target``, also checks that the draft fits it (width, vocabulary, depth of the taps).
@@ -324,7 +333,7 @@ def validate(path: str | Path, *, target=None) -> list[str]:
     if not isinstance(cfg, dict):
         return [f"{file} must hold a JSON object"]
     problems: list[str] = []
-    c = _check_config(cfg, problems)
+    c = _check_config(cfg, problems, config_class)
     if c is None:
         return problems
     _check_weights(path, c, cfg.get("torch_dtype") or cfg.get("dtype"), problems)
@@ -333,31 +342,35 @@ def validate(path: str | Path, *, target=None) -> list[str]:
     return problems
 
 
-def check_valid(path: str | Path, *, target=None) -> None:
+def check_valid(path: str | Path, *, target=None, config_class: type[DFlashConfig] = DFlashConfig) -> None:
     """``validate`` that raises ``ValueError`` listing the problems."""
-    problems = validate(path, target=target)
+    problems = validate(path, target=target, config_class=config_class)
     if problems:
-        raise ValueError(f"{path} is not a valid DFlash export:\n  - " + "\n  - ".join(problems))
+        raise ValueError(f"{path} is not a valid DFlash export ({config_class.architecture}):\n  - "
+                         + "\n  - ".join(problems))
 
 
 # ------------------------------------------------------------------------------------------------------
 # load
 
 
-def load(path: str | Path, *, target, dtype: str | torch.dtype | None = None) -> DFlashDraft:
+def load(path: str | Path, *, target, dtype: str | torch.dtype | None = None,
+         draft_class: type[DFlashDraft] = DFlashDraft) -> DFlashDraft:
     """The draft saved at ``path`` (validated first), on ``target``'s device, sharing its embedding and LM head.
 
-    ``dtype`` defaults to the file's. Weights load strictly.
+    ``dtype`` defaults to the file's. Weights load strictly. ``draft_class``: a successor of DFlash reads its
+    own format through here (its ``config_class`` names the architecture and the extra fields).
     """
     from safetensors.torch import load_file
 
     from draftlab.targets.hf import resolve_dtype
 
-    check_valid(path, target=target)
+    config_class = draft_class.config_class
+    check_valid(path, target=target, config_class=config_class)
     path = Path(path)
-    config = config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
+    config = config_from_hf(json.loads((path / CONFIG_FILE).read_text()), config_class)
     tensors = load_file(str(path / WEIGHTS_FILE))
-    draft = DFlashDraft(config)
+    draft = draft_class(config)
     dtype = resolve_dtype(dtype) if dtype is not None else tensors["fc.weight"].dtype
     draft.to(device=target_device(target), dtype=dtype)
     draft.load_state_dict(tensors, strict=True)

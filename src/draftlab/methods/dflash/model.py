@@ -116,13 +116,16 @@ class DFlashDraft(nn.Module):
     """DFlash draft (see the module docstring). ``target``: move to its device and take the shared embedding /
     LM head from it now."""
 
+    config_class = DFlashConfig  # what its export's config.json is read into
+    layer_class = DFlashLayer  # a successor's layers (DFlash2 wraps each sublayer in a convolution)
+
     def __init__(self, config: DFlashConfig, target=None):
         super().__init__()
         c = self.config = config
         d = c.hidden_size
         self.fc = nn.Linear(c.num_taps * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(d, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
         # The target's tensors themselves (no copy); non-persistent, so checkpoints and exports omit them.

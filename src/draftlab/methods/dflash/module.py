@@ -26,7 +26,7 @@ import lightning as L
 import torch
 
 from draftlab.methods.dflash.blocks import SUMMED, block_logits, block_loss, make_blocks
-from draftlab.methods.dflash.config import DFlashConfig, default_gamma
+from draftlab.methods.dflash.config import default_gamma
 from draftlab.methods.dflash.model import DFlashDraft
 from draftlab.nn import simulated_tau
 from draftlab.targets.base import PassRequest
@@ -140,6 +140,6 @@ class DFlashModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("dflash_config")
-        if saved is not None and DFlashConfig.from_dict(saved) != self.draft.config:
+        if saved is not None and type(self.draft.config).from_dict(saved) != self.draft.config:
             raise ValueError("checkpoint was trained with a different DFlash config:\n"
                              f"  checkpoint: {saved}\n  this run:   {self.draft.config.to_dict()}")
