@@ -60,6 +60,14 @@ class DFlashConfig:
         """A successor's own exported tensors and their shapes (beyond DFlash's)."""
         return {}
 
+    def extra_hf_keys(self) -> dict[str, Any]:
+        """Top-level ``config.json`` keys a successor's engine reads (beyond DFlash's)."""
+        return {}
+
+    @classmethod
+    def check_hf_keys(cls, cfg: dict[str, Any], problems: list[str]) -> None:
+        """Append a problem for each of a successor's top-level ``config.json`` keys that ``cfg`` gets wrong."""
+
     def __post_init__(self) -> None:
         self.layer_convention = LayerConvention(self.layer_convention).value
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]

@@ -124,6 +124,7 @@ def hf_config(c: DFlashConfig, *, torch_dtype: str, target=None, max_position_em
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if key in info:
             out[key] = info[key]
+    out.update(c.extra_hf_keys())
     out[DRAFTLAB_BLOCK] = {"version": DRAFTLAB_BLOCK_VERSION, "dflash_config": c.to_dict(),
                            "target_layer_ids_convention": LayerConvention.OUTPUT_OF.value, "verifier": info.get("name")}
     return out
@@ -334,6 +335,7 @@ def validate(path: str | Path, *, target=None, config_class: type[DFlashConfig] 
         return [f"{file} must hold a JSON object"]
     problems: list[str] = []
     c = _check_config(cfg, problems, config_class)
+    config_class.check_hf_keys(cfg, problems)
     if c is None:
         return problems
     _check_weights(path, c, cfg.get("torch_dtype") or cfg.get("dtype"), problems)

@@ -19,6 +19,9 @@ from typing import Any, ClassVar
 
 from draftlab.methods.dflash.config import DFlashConfig
 
+# Top-level keys fixed by how draftlab drafts (the module docstring says why), as vLLM reads them.
+FIXED_KEYS = {"confidence_head_with_markov": False, "sample_from_anchor": False}
+
 
 @dataclass
 class DSparkConfig(DFlashConfig):
@@ -58,6 +61,35 @@ class DSparkConfig(DFlashConfig):
         if self.enable_confidence_head:
             shapes.update({"confidence_head.proj.weight": (1, self.hidden_size), "confidence_head.proj.bias": (1,)})
         return shapes
+
+    def extra_hf_keys(self) -> dict[str, Any]:
+        """The top-level keys vLLM's ``Qwen3DSparkModel`` and its speculator read."""
+        return {"markov_rank": self.markov_rank, "enable_confidence_head": self.enable_confidence_head,
+                "draft_vocab_size": self.vocab_size, **FIXED_KEYS}
+
+    @classmethod
+    def check_hf_keys(cls, cfg: dict[str, Any], problems: list[str]) -> None:
+        """The top-level keys vLLM's DSpark reads, against the ``dflash_config`` copy draftlab reads back."""
+        dc = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+        rank = cfg.get("markov_rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            problems.append(f"config.json 'markov_rank' must be an integer >= 1 (vLLM sizes the Markov head by it), "
+                            f"got {rank!r}")
+        elif dc.get("markov_rank", rank) != rank:
+            problems.append(f"config.json 'markov_rank' {rank} disagrees with dflash_config markov_rank {dc['markov_rank']}")
+        conf = cfg.get("enable_confidence_head")
+        if not isinstance(conf, bool):
+            problems.append(f"config.json 'enable_confidence_head' must be true or false, got {conf!r}")
+        elif dc.get("enable_confidence_head", conf) != conf:
+            problems.append(f"config.json 'enable_confidence_head' {conf} disagrees with dflash_config's")
+        for key, want in FIXED_KEYS.items():
+            if cfg.get(key) is not want:
+                problems.append(f"config.json '{key}' must be {str(want).lower()} (draftlab's DSpark: see "
+                                f"methods/dspark/config.py), got {cfg.get(key)!r}")
+        vocab = cfg.get("draft_vocab_size")
+        if vocab is not None and vocab != cfg.get("vocab_size"):
+            problems.append(f"config.json 'draft_vocab_size' {vocab} != vocab_size {cfg.get('vocab_size')} (the draft "
+                            "predicts through the target's full LM head)")
 
     @classmethod
     def from_dflash(cls, base: DFlashConfig, **fields: Any) -> DSparkConfig:
