@@ -34,6 +34,7 @@ from draftlab.decoding.budget import TreeBudget, tree_budget
 from draftlab.decoding.drafter import DecodeState, Drafter, VerifyOutput
 from draftlab.decoding.sampling import logits_to_probs, sample
 from draftlab.decoding.tree import DraftTree
+from draftlab.methods.dflash.block_tree import block_tree, max_nodes
 from draftlab.methods.dflash.model import ContextKV, DFlashDraft
 
 SAMPLING = ("sample", "argmax")
@@ -80,19 +81,27 @@ class DFlashDrafter(Drafter):
                 tokens per second (``decoding.budget``), scored by the cumulative product of the slots'
                 scores (argmax: the argmax's probability; sampled: ``sum q^2``). The cut is decided before
                 any slot is drawn (see the module docstring), so verification stays exact.
+    branching   1: the block as a chain (above). > 1: a tree with up to ``branching`` candidates of each slot
+                under every kept node of the slot before (``block_tree``: top-k candidates at T = 0 or with
+                ``sampling="argmax"``, siblings drawn without replacement otherwise).
+    nodes       draft tokens per tree when ``branching > 1``, root excluded (the cap under ``tree: auto``);
+                a chain's size is its block's.
     One drafter serves one sequence at a time: ``reset`` starts the context afresh.
     """
 
     def __init__(self, draft: DFlashDraft, *, block_size: int | None = None, sampling: str = "sample",
-                 tree: str = "fixed"):
+                 tree: str = "fixed", branching: int = 1, nodes: int = 16):
         trained = draft.config.block_size
         self.block_size = int(block_size) if block_size is not None else trained
         if not 2 <= self.block_size <= trained:
             raise ValueError(f"block_size must be in [2, {trained}] (the draft's trained block), got {self.block_size}")
         if sampling not in SAMPLING:
             raise ValueError(f"sampling must be one of {SAMPLING}, got '{sampling}'")
+        if int(branching) < 1 or int(nodes) < 0:
+            raise ValueError(f"need branching >= 1 and nodes >= 0, got {branching}, {nodes}")
         self.draft = draft.eval()
         self.sampling = sampling
+        self.branching, self.nodes = int(branching), int(nodes)
         self._ctx: ContextCache | None = None
         self.budget = tree_budget(tree)
 
@@ -108,8 +117,11 @@ class DFlashDrafter(Drafter):
         return self.draft.taps(target)
 
     def scratch_rows(self, cfg) -> int:
-        """The chain: root + ``block_size - 1`` proposals."""
-        return self.block_size
+        """The chain: root + ``block_size - 1`` proposals; a tree: root + ``nodes`` (fewer when the full tree
+        over the block is smaller)."""
+        if self.branching == 1:
+            return self.block_size
+        return 1 + max_nodes(self.block_size - 1, self.branching, self.nodes)
 
     # ---- compatibility and context ---------------------------------------------------------------------
 
@@ -174,6 +186,10 @@ class DFlashDrafter(Drafter):
     def _proposal(self, state: DecodeState, hidden: torch.Tensor, logits: torch.Tensor) -> DraftTree:
         """The round's tree from the block's slot states ``[bs-1, d]`` and logits ``[bs-1, V]`` (the hook a
         block drafter built on DFlash overrides: a selector, a Markov head)."""
+        if self.branching > 1:
+            return block_tree(state.root, logits, branching=self.branching, nodes=self.nodes,
+                              temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
+                              generator=state.generator, sampling=self.sampling, budget=self.budget)
         tokens, probs = self._draw_chain(logits, state)
         return DraftTree.chain(state.root, tokens.cpu(), draft_probs=probs)
 
