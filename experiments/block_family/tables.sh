@@ -15,8 +15,6 @@ draftlab-table $R/eval_*_gsm8k_t0.json --layout methods --ci --cell joint --out 
 ARMS=(eagle3 dflash dflash_tree dflash2 dflash2_unary dspark)
 NAMES=("EAGLE-3 (8 nodes)" "DFlash B=4" "DFlash B=4 tree (3 x 8 nodes)" "DFlash2 B=4" "DFlash2 B=4, selector off"
        "DSpark B=4")
-args=()
-for i in "${!ARMS[@]}"; do
-  args+=("$R/eval_${ARMS[$i]}_specbench_t0.json" --name "${NAMES[$i]}")
-done
-draftlab-report "${args[@]}" --out $HERE/report_t0 --format md
+paths=(); names=()
+for i in "${!ARMS[@]}"; do paths+=("$R/eval_${ARMS[$i]}_specbench_t0.json"); names+=(--name "${NAMES[$i]}"); done
+draftlab-report "${paths[@]}" "${names[@]}" --out $HERE/report_t0 --format md
