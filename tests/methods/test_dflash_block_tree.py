@@ -8,7 +8,6 @@ reports a later sibling's unconditional law, or keeps siblings by their drawn to
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -28,7 +27,7 @@ from draftlab.methods.dflash.blocks import block_logits, block_loss, make_blocks
 from draftlab.methods.dflash.drafter import draw_block
 from draftlab.targets.base import PassRequest
 from tests.decoding.conformance.checks import check_first_round_law, check_greedy_equals_ar, check_tree
-from tests.decoding.conformance.methods import first_round_prompt, spec
+from tests.decoding.conformance.methods import first_round_prompt, spec, untrained_draft
 from tests.methods.corpus import TRAIN_PROMPTS, UNSEEN_PROMPT, train_sequences
 
 BS = 4  # root + 3 slots: a full binary tree over them has 14 nodes
@@ -284,10 +283,7 @@ MUTANTS = {"unconditional_sibling_law": (UnconditionalSiblingLaw, "sharp"), "kep
 @pytest.fixture(scope="module")
 def decoy(tiny_target):
     """``cls, case -> factory`` of stand-in drafters around an untrained draft from the shipped config."""
-    s = copy.deepcopy(spec("dflash"))
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        draft = s.build_draft(tiny_target, None)
+    _, draft = untrained_draft("dflash", tiny_target)
 
     def factory(cls, case: str):
         def make():

@@ -47,6 +47,15 @@ def spec(name: str) -> MethodSpec:
 _SEQS: dict[int, list[list[int]]] = {}
 
 
+def untrained_draft(name: str, target, *, seed: int = 0):
+    """``(a copy of the method's spec, a fresh draft from its shipped config)``, the same draft in every process
+    (seeded, whatever ran before): the stand-in drafts of the mutant checks are built around it."""
+    s = copy.deepcopy(spec(name))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return s, s.build_draft(target, None)
+
+
 def sequences(target) -> list[list[int]]:
     """The corpus continued greedily by ``target`` (computed once per target and run, shared by the workers)."""
     if id(target) not in _SEQS:
