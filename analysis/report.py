@@ -67,10 +67,12 @@ def build_report(
     reference: str | None = None,
     precision: int = 2,
     train_curves: Sequence[str] | None = DEFAULT_CURVES,
+    curve_x: str = "step",
 ) -> Report:
     """Lay out the comparison and write its PNGs into ``out_dir``; render with :func:`render_markdown` or
     :func:`render_html`. ``sources`` is ``[(name, records)]``; ``train_curves`` names the training metrics to plot
-    (None: every logged one -- about 60 for a TTT-7 run)."""
+    (None: every logged one -- about 60 for a TTT-7 run), against ``curve_x`` (``step``, ``seconds`` of training
+    wall-clock or training ``tokens``: runs of equal training time compare on ``seconds``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = Report(title=title)
@@ -83,7 +85,7 @@ def build_report(
         _add_group(report, out_dir, g, group_title, _reorder(group, reference), precision)
     trained = [(name, r) for name, recs in sources for r in recs if r.history]
     if trained:
-        _add_training(report, out_dir, trained, train_curves)
+        _add_training(report, out_dir, trained, train_curves, curve_x)
     return report
 
 
@@ -182,24 +184,28 @@ def _delta_row(e: Entry, ref: Entry, precision: int, deltas: dict[str, dict | No
     return row
 
 
+CURVE_X = ("step", "seconds", "tokens")
+
+
 def _add_training(report: Report, out_dir: Path, trained: list[tuple[str, Record]],
-                  train_curves: Sequence[str] | None) -> None:
+                  train_curves: Sequence[str] | None, curve_x: str = "step") -> None:
     """One plot per logged training metric (all runs on it) and each run's best checkpoint."""
     report.blocks.append(Heading(2, "Training curves"))
     names = _curve_names(trained)
     keys: list[str] = []
     for _, r in trained:
         for h in r.history:
-            keys += [k for k, v in h.items() if k not in ("step", "tokens") and k not in keys and _is_plottable(v)]
+            keys += [k for k, v in h.items() if k not in CURVE_X and k not in keys and _is_plottable(v)]
     if train_curves is not None:
         keys = [k for k in train_curves if k in keys]
     for key in keys:
         series = {}
         for (_, r), name in zip(trained, names):
-            points = [(h["step"], h[key]) for h in r.history if _is_plottable(h.get(key))]
+            # histories written before a row carried ``seconds`` have no point on that axis
+            points = [(h[curve_x], h[key]) for h in r.history if _is_plottable(h.get(key)) and curve_x in h]
             if points:
                 series[name] = points
-        path = plot_curves(series, key, out_dir / f"train_{_slug(key)}.png")
+        path = plot_curves(series, key, out_dir / f"train_{_slug(key)}.png", x_label=curve_x)
         _add_image(report, path, f"training curve {key}")
     best_rows = [[name, ", ".join(f"{k}={_short(v)}" for k, v in (r.train.get("best") or {}).items()) or "–"]
                  for (_, r), name in zip(trained, names)]
@@ -254,6 +260,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", help="entry or source name the deltas are taken against (default: first)")
     p.add_argument("--title", default="draftlab comparison")
     p.add_argument("--precision", type=int, default=2)
+    p.add_argument("--curve-x", choices=CURVE_X, default="step",
+                   help="the training curves' x axis: optimiser step, training seconds (wall-clock) or tokens")
     p.add_argument("--curves", nargs="+", default=list(DEFAULT_CURVES),
                    help="training metrics to plot (default: %(default)s); 'all' plots every logged metric")
     p.add_argument("--wandb-project", help="also publish a W&B report to this project (needs wandb_workspaces)")
@@ -277,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_curves = None if args.curves == ["all"] else args.curves
     try:
         report = build_report(sources, args.out, title=args.title, reference=args.reference,
-                              precision=args.precision, train_curves=train_curves)
+                              precision=args.precision, train_curves=train_curves, curve_x=args.curve_x)
     except RecordError as exc:  # a malformed eval.questions is only read while the deltas are laid out
         print(f"draftlab-report: error: {exc}", file=sys.stderr)
         return 2

@@ -67,12 +67,12 @@ def plot_survival(curves: dict[str, list[tuple[int, float]]], path: Path, title:
     return path
 
 
-def plot_curves(series: dict[str, list[tuple[float, float]]], metric: str, path: Path) -> Path:
+def plot_curves(series: dict[str, list[tuple[float, float]]], metric: str, path: Path, x_label: str = "step") -> Path:
     fig = _figure(6, 4)
     ax = fig.subplots()
     for name, points in series.items():
         ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 50 else None, label=name)
-    ax.set_xlabel("step")
+    ax.set_xlabel(x_label)
     ax.set_ylabel(metric)
     ax.set_title(metric)
     ax.grid(alpha=0.3)

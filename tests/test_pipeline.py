@@ -309,9 +309,12 @@ def test_history_rows_hold_each_epochs_own_validation(tmp_path):
     val = [r for r in history.rows if "val/epoch_seen" in r]
     assert [(r["epoch"], r["step"], r["val/epoch_seen"]) for r in val] == [(0, 3, 0.0), (1, 6, 1.0), (2, 9, 2.0)]
     assert [r["tokens"] for r in val] == [6, 12, 18]
+    seconds = [r["seconds"] for r in val]  # training wall-clock: increasing, from 0
+    assert 0 <= seconds[0] <= seconds[1] <= seconds[2]
     resumed = HistoryCallback(every=100)
     resumed.load_state_dict(history.state_dict())
     assert resumed.tokens == 18 and resumed.rows == history.rows
+    assert resumed.seconds() >= seconds[-1]  # a resumed run's clock goes on from the killed run's
 
 
 def test_tapped_layers_are_a_method_setting_outside_the_regeneration_key(tmp_path, monkeypatch, shared_data):

@@ -36,6 +36,7 @@ def prepare_config(cfg: DictConfig, *, overrides: list[str] | None = None, choic
             _check_knobs(tuning_settings(str(tuning), method_name(choice)), _own_method(config_dir(), str(choice), own),
                          f"conf/tuning/{tuning}/{method_name(choice)}.yaml")
     _route_init(cfg, f"conf/method/{choice}.yaml")
+    _route_training_choices(cfg, f"conf/method/{choice}.yaml")
     return cfg
 
 
@@ -81,6 +82,33 @@ def _check_knobs(tuned: DictConfig, plain: DictConfig, file: str, prefix: str = 
         # gain keys (Draft-OPD's rollout_drafter: the evaluated drafter's knobs to change).
         if OmegaConf.is_dict(value) and OmegaConf.is_dict(sub) and ("_target_" in sub or "name" in sub):
             _check_knobs(value, sub, file, path + ".")
+
+
+# Top-level choices (conf/<group>) that belong in the module block of the method that trains the draft, and whether
+# the choice replaces that block's entry (the loss) or is merged into it (the optimiser keeps the method's lr, betas).
+_MODULE_CHOICES = {"loss": False, "optimizer": True}
+
+
+def _route_training_choices(cfg: DictConfig, method_file: str) -> None:
+    """``loss=<name>`` / ``optimizer=<name>`` become ``module.loss`` / are merged into ``module.optimizer`` of the
+    module that trains: the method's own, or its base's for a method that trains another's draft (SSD on
+    EAGLE-3). Routed once: the top-level entry is removed, so the method config (and the training key) holds it."""
+    for key, merge in _MODULE_CHOICES.items():
+        if key not in cfg or cfg.get(key) is None or "method" not in cfg:
+            continue
+        own = OmegaConf.select(cfg, "method.module._target_", default=None) is not None
+        owner = "method.module" if own else "method.base.module"
+        if not OmegaConf.select(cfg, "method.trainable", default=False) or \
+                OmegaConf.select(cfg, f"{owner}._target_", default=None) is None:
+            raise ConfigError(f"method '{OmegaConf.select(cfg, 'method.name')}' trains no draft: {key}= does not "
+                              f"apply ({method_file})", field=key)
+        node = cfg[key]
+        if merge and OmegaConf.select(cfg, f"{owner}.{key}") is not None:
+            # a plain copy of the method's block (the composed config is in struct mode: no new keys)
+            node = OmegaConf.merge(OmegaConf.to_container(OmegaConf.select(cfg, f"{owner}.{key}")), node)
+        OmegaConf.update(cfg, f"{owner}.{key}", node, merge=False, force_add=True)
+        with open_dict(cfg):
+            del cfg[key]
 
 
 def _route_init(cfg: DictConfig, method_file: str) -> None:

@@ -187,6 +187,23 @@ def test_curves_all_plots_every_logged_metric(two_runs, tmp_path):
         "train_train_loss.png", "train_train_ploss_3.png", "train_val_simulated_tau.png"]
 
 
+def test_curves_against_training_seconds(tmp_path, monkeypatch):
+    """``--curve-x seconds`` draws each run against its training wall-clock: equal-time arms line up there."""
+    import analysis.report as report
+
+    drawn = {}
+    monkeypatch.setattr(report, "plot_curves",
+                        lambda series, key, path, x_label: drawn.setdefault(key, (series, x_label)) and path)
+    fast = [{"step": s, "seconds": 2.0 * s, "val/simulated_tau": 1.0 + 0.1 * s} for s in range(4)]
+    slow = [{"step": s, "seconds": 5.0 * s, "val/simulated_tau": 1.0 + 0.2 * s} for s in range(3)]
+    t = write_sweep(tmp_path / "train", [make_record(label="A", kind="train", history=fast, run_name="a"),
+                                         make_record(label="B", kind="train", history=slow, run_name="b")])
+    assert main([str(t), "--out", str(tmp_path / "r"), "--curves", "val/simulated_tau", "--curve-x", "seconds"]) == 0
+    series, x_label = drawn["val/simulated_tau"]
+    assert x_label == "seconds"
+    assert sorted(x for points in series.values() for x, _ in points) == [0.0, 0.0, 2.0, 4.0, 5.0, 6.0, 10.0]
+
+
 def _answer(qid, category, accept_lengths, tps):
     tokens = sum(accept_lengths)
     return {"question_id": qid, "category": category, "answer_id": f"a{qid}", "model_id": "m", "tstamp": 0.0,

@@ -22,9 +22,12 @@ Layout (hd = head dim, heads ``h = kv * G + g`` share KV head ``kv``):
   diag_k, diag_v  k tensors [B, Hkv, M, hd]: the rows' own keys / values of steps 1..k (k may be 0)
   rows            [M] int or None      prefix position of each query row (None: ``arange(T)``, M == T)
   key_mask        [B, T] bool or None  False = padded key, never attended
+  window          int or None          sliding window W: the row of step k stands at index ``rows[m] + k`` and
+                                       sees step-0 keys ``s > rows[m] + k - W`` and its step-j keys for ``j > k - W``
 -> [B, H, M, hd]
 
-A row that can see no key (a padded first row at step 0) gets a zero output and zero gradients.
+A row that can see no key (a padded first row at step 0) gets a zero output and zero gradients. The window is
+implemented by ``torch``, ``blockwise`` and ``flex``; ``auto`` picks ``blockwise`` for it, ``triton`` refuses it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from draftlab.kernels._triton import available as triton_available
 from draftlab.kernels._triton import interpreting, tl, triton
 from draftlab.kernels._triton import require as require_triton
 from draftlab.kernels.ttt_flex import flex_ttt
+from draftlab.kernels.ttt_window import key_blocks, visible_steps, windowed_impl
 
 IMPLS = ("torch", "blockwise", "triton", "flex")
 BLOCK = 512  # blockwise: rows and keys per block (about B*H*512*512 fp32 scores live at once)
@@ -75,8 +79,8 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: Sequence[torch.Tensor],
                   diag_v: Sequence[torch.Tensor], scale: float, *, rows: torch.Tensor | None = None,
-                  key_mask: torch.Tensor | None = None, impl: str = "auto", block: int | None = None
-                  ) -> torch.Tensor:
+                  key_mask: torch.Tensor | None = None, impl: str = "auto", block: int | None = None,
+                  window: int | None = None) -> torch.Tensor:
     """Prefix + diagonal attention of one TTT step (layout in the module docstring).
 
     ``blockwise`` and ``triton`` run with autocast off, forward and backward alike, each in one dtype:
@@ -84,7 +88,9 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: S
     to it, the gradients cast back to each input's dtype). Under autocast the forward would otherwise run its
     matmuls in bf16 and the backward recompute them in fp32, so p would no longer match the saved lse."""
     ct = compute_dtype(q, k0, v0, *diag_k, *diag_v)
-    impl = resolve_impl(impl, q.device, ct)
+    if impl == "auto" and window is not None:
+        impl = "blockwise"  # windowed on every device (kernels/ttt_window.py)
+    impl = windowed_impl(resolve_impl(impl, q.device, ct), window)
     B, H, M, hd = q.shape
     T = k0.shape[2]
     if rows is None and M != T:
@@ -92,7 +98,7 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: S
     if key_mask is not None:
         key_mask = key_mask.to(device=q.device, dtype=torch.bool)
     if impl == "torch":
-        return reference(q, k0, v0, diag_k, diag_v, scale, rows=rows, key_mask=key_mask)
+        return reference(q, k0, v0, diag_k, diag_v, scale, rows=rows, key_mask=key_mask, window=window)
     positions = rows is None  # rows[m] == m: lets the kernels skip key blocks after a query block
     rows = torch.arange(T, device=q.device) if rows is None else rows.to(q.device)
     dk = _stack(diag_k, k0, M)  # [B, Hkv, k, M, hd]
@@ -101,7 +107,7 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: S
         if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
             raise RuntimeError("flex_attention has no CPU backward in this torch: train with attention: blockwise "
                                "on CPU (flex runs forward-only there)")
-        return flex_ttt(q, k0, v0, dk, dv, scale, rows, key_mask)
+        return flex_ttt(q, k0, v0, dk, dv, scale, rows, key_mask, window)
     with torch.autocast(q.device.type, enabled=False):
         if impl == "triton":
             require_triton(q.device)
@@ -109,7 +115,7 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: S
                 raise ValueError(f"Triton's dot products need blocks of at least 16 rows, got block={block}")
             q, k0, v0, dk, dv = (t.to(ct) for t in (q, k0, v0, dk, dv))  # autograd casts each grad back
             return _TritonTTT.apply(q, k0, v0, dk, dv, rows, key_mask, scale, positions, block)
-        return _Blockwise.apply(q, k0, v0, dk, dv, rows, key_mask, scale, block or BLOCK)
+        return _Blockwise.apply(q, k0, v0, dk, dv, rows, key_mask, scale, block or BLOCK, window)
 
 
 def _stack(diag: Sequence[torch.Tensor], like: torch.Tensor, M: int) -> torch.Tensor:
@@ -119,10 +125,13 @@ def _stack(diag: Sequence[torch.Tensor], like: torch.Tensor, M: int) -> torch.Te
     return like.new_zeros(B, Hkv, 0, M, hd)
 
 
-def prefix_mask(rows: torch.Tensor, key_mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
-    """bool ``[B|1, M, hi - lo]``: query row m may see prefix key s in [lo, hi)."""
+def prefix_mask(rows: torch.Tensor, key_mask: torch.Tensor | None, lo: int, hi: int, window: int | None = None,
+                n_diag: int = 0) -> torch.Tensor:
+    """bool ``[B|1, M, hi - lo]``: query row m (of step ``n_diag``) may see prefix key s in [lo, hi)."""
     s = torch.arange(lo, hi, device=rows.device)  # [n]
     mask = (s[None, :] <= rows[:, None])[None]  # [1, M, n]
+    if window is not None:
+        mask = mask & (s[None, :] > rows[:, None] + n_diag - window)[None]
     if key_mask is not None:
         mask = mask & key_mask[:, None, lo:hi]  # [B, M, n]
     return mask
@@ -134,9 +143,9 @@ def prefix_mask(rows: torch.Tensor, key_mask: torch.Tensor | None, lo: int, hi: 
 
 def reference(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: Sequence[torch.Tensor],
               diag_v: Sequence[torch.Tensor], scale: float, *, rows: torch.Tensor | None = None,
-              key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The op in plain torch: prefix scores are one ``[M, T]`` matmul under the causal + padding mask, the k
-    diagonal scores ``(q * k_i).sum(-1)``, so no ``[M, (k+1)T]`` score block or mask exists."""
+              key_mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """The op in plain torch: prefix scores are one ``[M, T]`` matmul under the causal + padding (+ window) mask,
+    the k diagonal scores ``(q * k_i).sum(-1)``, so no ``[M, (k+1)T]`` score block or mask exists."""
     B, H, M, hd = q.shape
     Hkv, T = k0.shape[1], k0.shape[2]
     G = H // Hkv
@@ -145,12 +154,16 @@ def reference(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: Seque
     ct = torch.promote_types(prefix.dtype, torch.float32)
     prefix = prefix.to(ct) * scale  # [B, Hkv, G, M, T]
     rows = torch.arange(T, device=q.device) if rows is None else rows.to(q.device)
-    mask = prefix_mask(rows, key_mask, 0, T)  # [B|1, M, T]
+    mask = prefix_mask(rows, key_mask, 0, T, window, len(diag_k))  # [B|1, M, T]
     # The dtype's minimum, not -inf: a row with no visible key gets finite (ignored) values, never NaN.
     prefix = prefix.masked_fill(~mask[:, None, None], torch.finfo(ct).min)
     if len(diag_k):
         diag = torch.stack([(qg * k_i[:, :, None]).sum(-1) for k_i in diag_k], dim=-1)  # [B, Hkv, G, M, k]
-        scores = torch.cat([prefix, diag.to(ct) * scale], dim=-1)  # [B, Hkv, G, M, T + k]
+        diag = diag.to(ct) * scale
+        hidden = visible_steps(len(diag_k), window).start  # the earliest steps, fallen out of the window
+        if hidden:
+            diag[..., :hidden] = torch.finfo(ct).min
+        scores = torch.cat([prefix, diag], dim=-1)  # [B, Hkv, G, M, T + k]
     else:
         scores = prefix
     probs = torch.softmax(scores, dim=-1).to(v0.dtype)  # [B, Hkv, G, M, T + k]
@@ -177,7 +190,7 @@ class _Blockwise(torch.autograd.Function):
     """Blockwise TTT attention in fp32 (fp64 for fp64 inputs); saves the inputs, the output and the lse."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, dk, dv, rows, key_mask, scale, block):
+    def forward(ctx, q, k0, v0, dk, dv, rows, key_mask, scale, block, window):
         B, H, M, hd = q.shape
         Hkv, T, n_diag = k0.shape[1], k0.shape[2], dk.shape[2]
         G = H // Hkv
@@ -191,13 +204,13 @@ class _Blockwise(torch.autograd.Function):
             m_i = torch.full(qb.shape[:-1], -math.inf, dtype=ct, device=q.device)  # [B, Hkv, G, bm]
             l_i = torch.zeros_like(m_i)
             acc = torch.zeros_like(qb)  # [B, Hkv, G, bm, hd]
-            for n0 in range(0, min(T, int(rb.max()) + 1), block):
+            for n0 in key_blocks(rb, T, block, window, n_diag):
                 n1 = min(T, n0 + block)
                 kb, vb = k0[:, :, None, n0:n1].to(ct), v0[:, :, None, n0:n1].to(ct)  # [B, Hkv, 1, bn, hd]
                 s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [B, Hkv, G, bm, bn]
-                s = s.masked_fill(~prefix_mask(rb, key_mask, n0, n1)[:, None, None], -math.inf)
+                s = s.masked_fill(~prefix_mask(rb, key_mask, n0, n1, window, n_diag)[:, None, None], -math.inf)
                 m_i, l_i, acc = _online(m_i, l_i, acc, s, lambda p, vb=vb: torch.matmul(p, vb))
-            for i in range(n_diag):
+            for i in visible_steps(n_diag, window):
                 kd = dk[:, :, None, i, m0:m1].to(ct)  # [B, Hkv, 1, bm, hd]
                 vd = dv[:, :, None, i, m0:m1].to(ct)
                 s = (qb * kd).sum(-1, keepdim=True) * scale  # [B, Hkv, G, bm, 1]
@@ -207,7 +220,7 @@ class _Blockwise(torch.autograd.Function):
             m_safe = m_i.masked_fill(m_i == -math.inf, 0.0)
             lse[:, :, :, m0:m1] = (m_safe + torch.log(l_i)).masked_fill(empty, math.inf)
         ctx.save_for_backward(q, k0, v0, dk, dv, rows, key_mask, out, lse)
-        ctx.scale, ctx.block = scale, block
+        ctx.scale, ctx.block, ctx.window = scale, block, window
         return out.to(q.dtype).reshape(B, H, M, hd)
 
     @staticmethod
@@ -216,7 +229,7 @@ class _Blockwise(torch.autograd.Function):
         # matmuls in bf16 while the saved lse came from fp32 ones).
         with torch.autocast(grad_out.device.type, enabled=False):
             q, k0, v0, dk, dv, rows, key_mask, out, lse = ctx.saved_tensors
-            scale, block = ctx.scale, ctx.block
+            scale, block, window = ctx.scale, ctx.block, ctx.window
             B, H, M, hd = q.shape
             Hkv, T, n_diag = k0.shape[1], k0.shape[2], dk.shape[2]
             G = H // Hkv
@@ -233,17 +246,17 @@ class _Blockwise(torch.autograd.Function):
                 m1 = min(M, m0 + block)
                 qb, rb = qg[:, :, :, m0:m1].to(ct), rows[m0:m1]  # [B, Hkv, G, bm, hd]
                 dob, lb, db = do[:, :, :, m0:m1], lse[:, :, :, m0:m1, None], delta[:, :, :, m0:m1, None]
-                for n0 in range(0, min(T, int(rb.max()) + 1), block):
+                for n0 in key_blocks(rb, T, block, window, n_diag):
                     n1 = min(T, n0 + block)
                     kb, vb = k0[:, :, None, n0:n1].to(ct), v0[:, :, None, n0:n1].to(ct)  # [B, Hkv, 1, bn, hd]
                     s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [B, Hkv, G, bm, bn]
-                    s = s.masked_fill(~prefix_mask(rb, key_mask, n0, n1)[:, None, None], -math.inf)
+                    s = s.masked_fill(~prefix_mask(rb, key_mask, n0, n1, window, n_diag)[:, None, None], -math.inf)
                     p = torch.exp(s - lb)  # the forward's probabilities, recomputed
                     g_v0[:, :, n0:n1] += torch.matmul(p.transpose(-1, -2), dob).sum(2)  # [B, Hkv, bn, hd]
                     ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - db)  # [B, Hkv, G, bm, bn]
                     g_q[:, :, :, m0:m1] += torch.matmul(ds, kb) * scale
                     g_k0[:, :, n0:n1] += torch.matmul(ds.transpose(-1, -2), qb).sum(2) * scale
-                for i in range(n_diag):
+                for i in visible_steps(n_diag, window):
                     kd = dk[:, :, None, i, m0:m1].to(ct)  # [B, Hkv, 1, bm, hd]
                     vd = dv[:, :, None, i, m0:m1].to(ct)
                     p = torch.exp((qb * kd).sum(-1, keepdim=True) * scale - lb)  # [B, Hkv, G, bm, 1]
@@ -252,7 +265,7 @@ class _Blockwise(torch.autograd.Function):
                     g_q[:, :, :, m0:m1] += ds * kd * scale
                     g_dk[:, :, i, m0:m1] += (ds * qb).sum(2) * scale
             return (g_q.reshape(B, H, M, hd).to(q.dtype), g_k0.to(k0.dtype), g_v0.to(v0.dtype), g_dk.to(dk.dtype),
-                    g_dv.to(dv.dtype), None, None, None, None)
+                    g_dv.to(dv.dtype), None, None, None, None, None)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,14 +1,14 @@
 """TTT attention through ``torch.nn.attention.flex_attention`` (``ttt_attention(impl="flex")``): the TTT mask as a
 ``mask_mod`` over the concatenated keys ``[prefix T | step 1 M | ... | step k M]``. One fused kernel when compiled
 (CUDA); its eager fallback materialises the scores. ``dk``, ``dv``: the stacked diagonal keys / values
-``[B, Hkv, k, M, hd]``; the rest as in ``ttt_attention``."""
+``[B, Hkv, k, M, hd]``; the rest (a sliding ``window`` included: ``ttt_window.py``) as in ``ttt_attention``."""
 
 from __future__ import annotations
 
 import torch
 
 
-def flex_ttt(q, k0, v0, dk, dv, scale, rows, key_mask):
+def flex_ttt(q, k0, v0, dk, dv, scale, rows, key_mask, window=None):
     """The TTT mask as a flex_attention ``mask_mod`` over keys ``[prefix T | step 1 M | ... | step k M]``."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -23,6 +23,9 @@ def flex_ttt(q, k0, v0, dk, dv, scale, rows, key_mask):
         sp = torch.clamp(s, max=T - 1)
         sees_prefix = (sp <= rows[m]) & km[b if key_mask is not None else 0, sp]
         own = (s - T) % M == m  # the row's own key of a later step
+        if window is not None:  # step j = (s - T) // M + 1 of a row at index rows[m] + n_diag
+            sees_prefix = sees_prefix & (sp > rows[m] + n_diag - window)
+            own = own & ((s - T) // M + 1 > n_diag - window)
         return torch.where(in_prefix, sees_prefix, own)
 
     # Compiled on CUDA: the eager builder materialises a [M, T + k*M] mask (~7 GiB at T = 8k) on every call.

@@ -44,6 +44,9 @@ from omegaconf import DictConfig, OmegaConf
 _NOT_IN_TRAIN_KEY = ("label", "drafter", "export", "artifact", "axes", "features", "ci")
 # Module settings that choose how, not what, the loss is computed (the same op in another kernel).
 _MODULE_NOT_IN_TRAIN_KEY = ("attention", "cross_entropy")
+# Draft settings added after drafts were keyed, whose null is what those drafts were trained with: left out of the
+# key while null, so every draft trained before them keeps its key (and is reused).
+_DRAFT_UNKEYED_WHEN_NULL = ("sliding_window",)
 
 
 
@@ -187,6 +190,9 @@ class MethodSpec:
             out = {k: v for k, v in cfg.items() if k not in _NOT_IN_TRAIN_KEY}
             if "module" in out:
                 out["module"] = how(out["module"])
+            if isinstance(out.get("draft"), dict):
+                out["draft"] = {k: v for k, v in out["draft"].items()
+                                if not (k in _DRAFT_UNKEYED_WHEN_NULL and v is None)}
             return out
 
         out = keyed(self.resolved())

@@ -65,18 +65,28 @@ class HistoryCallback(L.Callback):
 
     Every row also carries ``tokens``: the training tokens seen so far (non-padding positions of the
     ``attention_mask`` of every training batch; the shared data modules all yield one), so curves can be
-    drawn against data rather than steps, across runs of different batch sizes.
+    drawn against data rather than steps, across runs of different batch sizes; and ``seconds``: the wall-clock
+    since training started (validation included, summed over resumed runs), for curves against training time.
     """
 
     def __init__(self, every: int):
         self.every = max(1, every)
         self.rows: list[dict[str, Any]] = []
         self.tokens = 0
+        self.before = 0.0  # seconds of the runs this one resumed
+        self.started: float | None = None
+
+    def seconds(self) -> float:
+        return self.before + (time.perf_counter() - self.started if self.started is not None else 0.0)
+
+    def on_fit_start(self, trainer, pl_module):
+        self.started = time.perf_counter()
 
     def _row(self, trainer, prefix: str) -> None:
-        row = {"step": int(trainer.global_step), "epoch": int(trainer.current_epoch), "tokens": self.tokens}
+        row = {"step": int(trainer.global_step), "epoch": int(trainer.current_epoch), "tokens": self.tokens,
+               "seconds": round(self.seconds(), 3)}
         row.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)})
-        if len(row) > 3:
+        if len(row) > 4:
             self.rows.append(row)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -93,11 +103,12 @@ class HistoryCallback(L.Callback):
             self._row(trainer, "val/")
 
     def state_dict(self):
-        return {"rows": self.rows, "tokens": self.tokens}
+        return {"rows": self.rows, "tokens": self.tokens, "seconds": self.seconds()}
 
     def load_state_dict(self, state):
         self.rows = list(state.get("rows", []))
         self.tokens = int(state.get("tokens", 0))
+        self.before = float(state.get("seconds", 0.0))
 
 
 class ResumeCheckpoint(Checkpoint):

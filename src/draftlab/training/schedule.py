@@ -47,17 +47,41 @@ def constant(optimizer: torch.optim.Optimizer, *, total_steps: int) -> torch.opt
 ScheduleFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
 
 
+def _takes_named_params(factory) -> bool:
+    """Whether ``factory`` (or the function a Hydra ``_partial_`` wraps) wants ``(name, param)`` pairs: an
+    optimiser that treats parameters by name, such as ``optim.muon_adamw``."""
+    return bool(getattr(factory, "takes_named_params", False)
+                or getattr(getattr(factory, "func", None), "takes_named_params", False))
+
+
+def named_params(module, params) -> list:
+    """``params`` (tensors, or param groups of them), in order, with each tensor as its ``(name, tensor)`` in
+    ``module.named_parameters()``."""
+    names = {id(p): name for name, p in module.named_parameters()}
+
+    def named(p):
+        if id(p) not in names:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} given to the optimiser is not among "
+                             f"{type(module).__name__}.named_parameters(), so it has no name to be split by")
+        return names[id(p)], p
+
+    return [{**g, "params": [named(p) for p in g["params"]]} if isinstance(g, dict) else named(g)
+            for g in params]
+
+
 def configure(module, params, optimizer_factory, schedule_factory: ScheduleFactory | None,
               total_steps: int | None = None) -> dict:
     """What ``LightningModule.configure_optimizers`` returns: the optimiser over ``params`` (parameters or
-    param groups) and the schedule stepped every optimiser step over the run's ``total_steps`` (default:
-    the trainer's estimate)."""
+    param groups; named, see :func:`named_params`, for a factory with ``takes_named_params``) and the schedule
+    stepped every optimiser step over the run's ``total_steps`` (default: the trainer's estimate)."""
     if optimizer_factory is None:
         # The optimiser and its defaults live in the method config only (conf/method/<m>.yaml module.optimizer).
         from draftlab.utils.errors import ConfigError
 
         raise ConfigError("no optimizer: the method config's module block sets one (e.g. torch.optim.AdamW, "
                           "_partial_: true)", field="method.module.optimizer")
+    if _takes_named_params(optimizer_factory):
+        params = named_params(module, params)
     opt = optimizer_factory(params)
     total = total_steps or int(module.trainer.estimated_stepping_batches)
     schedule_factory = schedule_factory or warmup_cosine

@@ -9,7 +9,8 @@ For one sequence ``x_0..x_{T-1}`` with tapped target states ``F_t`` (context ``x
 - block rows see the fused context ``F_t`` for ``t < a`` only (at inference the anchor is the newest
   token, whose target states are not known yet), all rows of their own block, and nothing of any other
   block. ``context_mask`` + the block-diagonal structure of ``model.block_attention`` implement it;
-  ``block_attention_mask`` spells the same rule out as one explicit ``[Q, T + Q]`` mask for tests.
+  ``block_attention_mask`` spells the same rule out as one explicit ``[Q, T + Q]`` mask for tests. A draft
+  with a ``sliding_window`` W also drops context ``t <= a + k - W`` for slot k (``DFlashConfig``).
 
 Metrics are returned as sums (numerators and denominators) so validation can aggregate across batches
 and ranks before dividing. ``simulated_tau`` (``draftlab.nn``) turns the conditional accuracies
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from draftlab.methods.dflash.config import position_weights
 from draftlab.methods.dflash.model import DFlashDraft
+from draftlab.nn.window import in_window
 
 SUMMED = ("correct", "count", "cond_correct", "cond_count")
 
@@ -80,21 +82,30 @@ def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor, num_an
     return torch.where(keep, pos, torch.zeros_like(pos)), keep
 
 
-def context_mask(anchors: torch.Tensor, attention_mask: torch.Tensor, block_size: int) -> torch.Tensor:
-    """bool ``[B, A*bs, T]``: row (block j, slot k) sees context position t iff ``t < anchor_j`` and t is real."""
+def context_mask(anchors: torch.Tensor, attention_mask: torch.Tensor, block_size: int,
+                 window: int | None = None) -> torch.Tensor:
+    """bool ``[B, A*bs, T]``: row (block j, slot k) sees context position t iff ``t < anchor_j`` and t is real, and
+    with a sliding ``window`` W also ``anchor_j + k - W < t`` (``DFlashConfig``; the draft applies its own window in
+    ``forward_blocks`` whatever this mask says, so passing it here only spells the rule out)."""
     B, T = attention_mask.shape
     t = torch.arange(T, device=anchors.device)
     before = t[None, None, :] < anchors[:, :, None]  # [B, A, T]
     mask = before & attention_mask.bool()[:, None, :]  # [B, A, T]
-    return mask.repeat_interleave(block_size, dim=1)  # [B, A*bs, T]
+    mask = mask.repeat_interleave(block_size, dim=1)  # [B, A*bs, T]
+    if window is None:
+        return mask
+    rows = (anchors[:, :, None] + torch.arange(block_size, device=anchors.device)).flatten(1)  # [B, A*bs]
+    return mask & in_window(rows, t, window)
 
 
-def block_attention_mask(anchors: torch.Tensor, attention_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+def block_attention_mask(anchors: torch.Tensor, attention_mask: torch.Tensor, block_size: int,
+                         window: int | None = None) -> torch.Tensor:
     """The whole rule as one explicit mask bool ``[B, Q, T + Q]`` over keys ``[context ; packed blocks]``.
 
-    Reference only (tests): ``model.block_attention`` never builds the ``[Q, Q]`` part.
+    Reference only (tests): ``model.block_attention`` never builds the ``[Q, Q]`` part. A ``window`` (at least the
+    block, ``DFlashConfig``) narrows the context part only.
     """
-    ctx = context_mask(anchors, attention_mask, block_size)  # [B, Q, T]
+    ctx = context_mask(anchors, attention_mask, block_size, window)  # [B, Q, T]
     A = anchors.shape[1]
     blocks = torch.block_diag(*[torch.ones(block_size, block_size, dtype=torch.bool)] * A).to(anchors.device)
     return torch.cat([ctx, blocks[None].expand(ctx.shape[0], -1, -1)], dim=-1)  # [B, Q, T + Q]
@@ -103,8 +114,10 @@ def block_attention_mask(anchors: torch.Tensor, attention_mask: torch.Tensor, bl
 def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor, *,
                 block_size: int, mask_token_id: int, num_anchors: int | None = None,
                 anchors: torch.Tensor | None = None, keep: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> Blocks:
-    """Packed blocks for a batch: sampled anchors, or the given ``anchors [B, A]`` (``keep`` default all)."""
+                generator: torch.Generator | None = None, window: int | None = None) -> Blocks:
+    """Packed blocks for a batch: sampled anchors, or the given ``anchors [B, A]`` (``keep`` default all).
+
+    ``window``: spell a sliding window out in ``ctx_mask`` too (``context_mask``; the draft applies its own anyway)."""
     B, T = input_ids.shape
     bs = block_size
     if anchors is None:
@@ -123,7 +136,7 @@ def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask
     real = (loss_mask.bool() & attention_mask.bool()).gather(1, idx).view(B, A, bs - 1)
     valid = inside & real & keep[:, :, None]  # [B, A, bs-1]
     return Blocks(anchors=anchors, keep=keep, block_ids=block_ids.view(B, A * bs), positions=positions.view(B, A * bs),
-                  labels=labels, label_valid=valid, ctx_mask=context_mask(anchors, attention_mask, bs))
+                  labels=labels, label_valid=valid, ctx_mask=context_mask(anchors, attention_mask, bs, window))
 
 
 def block_states(draft: DFlashDraft, aux: torch.Tensor, blocks: Blocks, block_size: int | None = None) -> torch.Tensor:

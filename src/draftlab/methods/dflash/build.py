@@ -36,7 +36,7 @@ def build_draft(target, vocab=None, *, taps: list[int] | None = None, num_layers
     init_norm_from_target  start the draft's final ``norm`` from the target's final norm: its output
                      feeds the target's LM head, which expects that scale.
     seed             seed of the random init (None: the global RNG).
-    overrides        any other ``DFlashConfig`` field (``rms_norm_eps``, ``rope_theta``, ...).
+    overrides        any other ``DFlashConfig`` field (``rms_norm_eps``, ``rope_theta``, ``sliding_window``, ...).
     """
     if vocab is not None:
         raise ConfigError("DFlash (conf/method/dflash.yaml) predicts through the target's own LM head over the "

@@ -3,7 +3,8 @@
 Field names follow the DFlash HF ``config.json`` where one exists (``block_size``, ``mask_token_id``,
 ``target_layer_ids``), so the exporter writes them through. ``layer_convention`` is draftlab's own: it
 says how ``target_layer_ids`` are counted (DFlash itself counts ``output_of``, i.e. HF
-``hidden_states[i + 1]``), and the exporter converts to ``output_of`` explicitly.
+``hidden_states[i + 1]``), and the exporter converts to ``output_of`` explicitly. ``sliding_window`` is the HF
+key of the same name (``draftlab.nn.window``), exported with ``layer_types`` / ``use_sliding_window``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from draftlab.nn import LlamaLayerGeometry
+from draftlab.nn.window import check_window
 from draftlab.targets.base import LayerConvention, to_convention
 
 # The paper's loss-decay constants per block size (gamma in w_k = exp(-(k-1)/gamma)).
@@ -25,6 +27,11 @@ class DFlashConfig:
 
     The draft's width equals the target's (``hidden_size``): its input embedding and LM head are the
     target's own, shared and frozen, so ``vocab_size`` is the full target vocabulary.
+
+    ``sliding_window`` W (None: full attention): a block row at position ``p = anchor + k`` sees context
+    position ``t`` only if ``p - W < t < anchor`` (``draftlab.nn.window``'s convention: W positions counting its
+    own). The row still sees its whole block, so W must be at least ``block_size``: a serving engine's window
+    (vLLM runs DFlash's bidirectional block with the symmetric window ``(W - 1, W - 1)``) then cuts no block key.
     """
 
     hidden_size: int
@@ -43,6 +50,7 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
 
     # The architecture an export names; a successor (DFlash2, DSpark) names its own and adds its fields.
     architecture: ClassVar[str] = "DFlashDraftModel"
@@ -81,6 +89,10 @@ class DFlashConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of the "
                              f"{self.vocab_size}-token vocabulary")
+        self.sliding_window = check_window(self.sliding_window)
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise ValueError(f"sliding_window {self.sliding_window} is shorter than the block ({self.block_size}): a "
+                             "block row must see every row of its block (see DFlashConfig)")
 
     @property
     def layer(self) -> LlamaLayerGeometry:
@@ -96,7 +108,12 @@ class DFlashConfig:
         return [to_convention(i, self.layer_convention, convention) for i in self.target_layer_ids]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["sliding_window"] is None:
+            # Left out at its default: a draft without a window keeps the dict (checkpoints, exports) it had
+            # before the field existed, and such an old dict reads back with the default.
+            del out["sliding_window"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DFlashConfig:

@@ -3,8 +3,9 @@
 Online batches are ``input_ids / attention_mask / loss_mask [B, T]``. With ``feature_dir`` (a store
 written by ``draftlab.data.features``, one safetensors file per sample holding ``aux [T,
 n_taps*d]``, keyed by the tapped layers, so every method tapping the same layers shares it), batches
-also carry ``aux [B, T, n_taps*d]``, right-padded with zeros. DFlash trains on tokens, so the store's
-``last`` hidden states are not loaded into the batch.
+also carry ``aux [B, T, n_taps*d]`` and the store's final-norm states ``last_hidden [B, T, d]``, right-padded with
+zeros: DFlash's own loss trains on tokens, a soft term of the loss menu on the target's distribution, which the
+module computes from ``last_hidden`` (``methods/dflash/objective.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,6 @@ from draftlab.data.feature_batches import FeatureDataModule
 
 
 class DFlashDataModule(FeatureDataModule):
-    """``FeatureDataModule`` with the tapped states only (DFlash trains on tokens, not target logits)."""
+    """``FeatureDataModule`` with the tapped states and the final states (the loss menu's teacher)."""
 
-    fields = {"aux": "aux"}
+    fields = {"aux": "aux", "last": "last_hidden"}

@@ -4,7 +4,9 @@ The drafter keeps, per draft layer, the rotated context K/V of every committed t
 states are known: with ``n`` tokens in the sequence those are tokens ``0..n-2`` (the root, the newest
 token, has not been through the target yet). Each round it runs ``[root, MASK x (B-1)]`` at positions
 ``n-1 .. n+B-2`` through the draft once (bidirectional in the block, all committed context visible) and
-proposes the B-1 block slots as a chain, exactly as the draft was trained (``blocks.py``).
+proposes the B-1 block slots as a chain, exactly as the draft was trained (``blocks.py``). A draft with a
+``sliding_window`` narrows what each block row sees of that context itself (``DFlashDraft.forward_blocks``: the
+cache's row s is position s), as in training.
 
 - T = 0, or ``sampling="argmax"``: the argmax of each slot (a deterministic chain; at T > 0 the shared
   verifier then uses its deterministic-candidate rule, still lossless).

@@ -7,6 +7,10 @@ A directory with
   block_size}``. ``target_layer_ids`` count ``output_of`` (the reference reads HF ``hidden_states[i + 1]``).
   ``block_size`` is also written at the top level, where older loaders look; both RoPE spellings
   (``rope_theta`` for transformers 4 / SGLang, ``rope_parameters`` for transformers 5) are written.
+  A draft with a ``sliding_window`` W marks every layer ``sliding_attention`` in ``layer_types`` and writes
+  ``use_sliding_window: true``, ``sliding_window: W`` and ``max_window_layers: 0`` (older Qwen3 readers derive
+  the sliding layers from it), as vLLM's ``qwen3_dflash.py`` reads them; ``is_causal: false`` stays, which vLLM
+  needs to keep sliding DFlash layers bidirectional (it makes them causal when the key is absent).
   A ``draftlab`` block holds the full draft config (and the convention its taps were named in), so
   draftlab reloads the file exactly; engines ignore it.
 - ``model.safetensors``: the draft's own weights under the reference names (``fc``, ``hidden_norm``,
@@ -30,6 +34,7 @@ from draftlab.methods.dflash.config import DFlashConfig, default_taps
 from draftlab.methods.dflash.model import DFlashDraft
 from draftlab.nn import rope_from_hf_config
 from draftlab.nn.placement import target_device
+from draftlab.nn.window import SLIDING, hf_window_keys, window_from_hf
 from draftlab.targets.base import LayerConvention
 from draftlab.utils.atomic import atomic_dir
 
@@ -121,6 +126,8 @@ def hf_config(c: DFlashConfig, *, torch_dtype: str, target=None, max_position_em
     }
     if c.rope_scaling:
         out["rope_scaling"] = dict(c.rope_scaling)
+    if c.sliding_window is not None:
+        out.update(hf_window_keys(c.sliding_window, c.num_layers), max_window_layers=0)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if key in info:
             out[key] = info[key]
@@ -205,7 +212,18 @@ def config_from_hf(cfg: dict[str, Any], config_class: type[DFlashConfig] = DFlas
         block_size=int(dc.get("block_size", cfg.get("block_size", 16))), mask_token_id=int(dc["mask_token_id"]),
         target_layer_ids=list(taps), layer_convention=LayerConvention.OUTPUT_OF.value, num_target_layers=n_target,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
+        sliding_window=_plain_window(cfg, dc, layers),
     )
+
+
+def _plain_window(cfg: dict[str, Any], dc: dict[str, Any], layers: int) -> int | None:
+    """A plain config's sliding window: ``layer_types`` / ``use_sliding_window`` / ``sliding_window`` (``nn.window``),
+    or vLLM's DFlash spelling ``dflash_config.use_swa`` (every layer) with ``swa_window_size``."""
+    types = cfg.get("layer_types")
+    if dc.get("use_swa") and SLIDING not in (types or ()):
+        types = [SLIDING] * layers  # vLLM: use_swa slides every layer, even an all-full layer_types
+    size = dc.get("swa_window_size", cfg.get("sliding_window"))
+    return window_from_hf({**cfg, "layer_types": types, "sliding_window": size}, layers)
 
 
 def _check_config(cfg: dict[str, Any], problems: list[str], config_class: type[DFlashConfig]) -> DFlashConfig | None:
@@ -265,7 +283,28 @@ def _check_config(cfg: dict[str, Any], problems: list[str], config_class: type[D
     for k, v in c.extra_dflash_config().items():
         if dc.get(k) != v:
             problems.append(f"dflash_config '{k}' is {dc.get(k)!r} where the draft has {v!r}")
+    _check_window(cfg, dc, c, problems)
     return c
+
+
+def _check_window(cfg: dict[str, Any], dc: dict[str, Any], c: DFlashConfig, problems: list[str]) -> None:
+    """The keys vLLM reads for the attention window say the draft's, and leave its block bidirectional."""
+    try:
+        read = _plain_window(cfg, dc, c.num_layers)
+    except ValueError as e:
+        problems.append(f"config.json: {e}")
+        return
+    if read != c.sliding_window:
+        problems.append(f"config.json's layer_types / sliding_window give the layers a window of {read}, the draft "
+                        f"has {c.sliding_window} (None: full attention)")
+    if c.sliding_window is None:
+        return
+    if cfg.get("use_sliding_window") is not True:
+        problems.append("config.json 'use_sliding_window' must be true (Qwen3's HF config drops sliding_window "
+                        "without it)")
+    if cfg.get("is_causal") is not False:
+        problems.append("config.json 'is_causal' must be false: vLLM runs DFlash's sliding layers causally "
+                        "otherwise, and the draft's block rows attend bidirectionally")
 
 
 def _check_weights(path: Path, c: DFlashConfig, torch_dtype: str | None, problems: list[str]) -> None:

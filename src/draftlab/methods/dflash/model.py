@@ -12,7 +12,8 @@ those of the DFlash HF checkpoints (``fc``, ``hidden_norm``, ``layers.{i}.self_a
 ``layers.{i}.self_attn.{q,k}_norm``, ``layers.{i}.mlp.*``, ``norm``), so export is an identity map.
 
 Several blocks may be packed in one call (training): rows ``[j*B, (j+1)*B)`` form block j, and blocks
-never see each other; which context positions each row sees is an explicit ``ctx_mask``.
+never see each other; which context positions each row sees is an explicit ``ctx_mask``. A draft with a
+``sliding_window`` narrows that mask itself (``forward_blocks``), so training and the drafter cannot disagree on it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from draftlab.methods.dflash.config import DFlashConfig
 from draftlab.nn import RMSNorm, Rotary, apply_rotary
 from draftlab.nn.placement import same_device, target_device
+from draftlab.nn.window import in_window
 from draftlab.targets.base import to_convention
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v), each [B, Hkv, S, hd], rotated
@@ -203,14 +205,28 @@ class DFlashDraft(nn.Module):
         block_ids  [B, Q] tokens (anchor, then mask ids), Q a multiple of ``block_size`` (default: the
                    config's; inference may run a shorter block).
         positions  [B, Q] or [Q] RoPE positions (anchor position + offset within the block).
-        ctx_kv     from ``context_kv``: the context keys every layer attends to.
-        ctx_mask   bool [B|1, Q, S]: which context keys each row sees (None: all).
+        ctx_kv     from ``context_kv``: the context keys every layer attends to, key s at position s (as
+                   ``blocks.block_states`` and the drafter's cache lay them out).
+        ctx_mask   bool [B|1, Q, S]: which context keys each row sees (None: all), narrowed here to the
+                   config's ``sliding_window`` when it has one.
         """
         bs = block_size or self.config.block_size
         if block_ids.shape[1] % bs:
             raise ValueError(f"{block_ids.shape[1]} block rows are not a whole number of blocks of {bs}")
+        ctx_mask = self.windowed(ctx_mask, positions, ctx_kv[0][0].shape[2])
         x = self.embed(block_ids).to(self.fc.weight.dtype)  # [B, Q, d]
         cos, sin = self._rope(positions, x.shape[0])
         for layer, (k_ctx, v_ctx) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k_ctx, v_ctx, ctx_mask, bs)
         return self.norm(x)  # [B, Q, d]
+
+    def windowed(self, ctx_mask: torch.Tensor | None, positions: torch.Tensor, num_context: int
+                 ) -> torch.Tensor | None:
+        """``ctx_mask`` [B|1, Q, S] (None: all keys) and the config's sliding window: a row at position p keeps
+        context key s only if ``p - W < s`` (``DFlashConfig``); unchanged without a window."""
+        window = self.config.sliding_window
+        if window is None:
+            return ctx_mask
+        rows = positions if positions.dim() == 2 else positions[None]  # [B|1, Q]
+        keep = in_window(rows, torch.arange(num_context, device=rows.device), window)  # [B|1, Q, S]
+        return keep if ctx_mask is None else ctx_mask & keep

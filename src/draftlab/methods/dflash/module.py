@@ -25,11 +25,13 @@ from typing import Any
 import lightning as L
 import torch
 
-from draftlab.methods.dflash.blocks import SUMMED, block_logits, block_loss, make_blocks
+from draftlab.methods.dflash.blocks import SUMMED, BlockOutput, block_logits, block_loss, make_blocks
 from draftlab.methods.dflash.config import default_gamma
 from draftlab.methods.dflash.model import DFlashDraft
+from draftlab.methods.dflash.objective import menu_block_loss, teacher_probs
 from draftlab.nn import simulated_tau
 from draftlab.targets.base import PassRequest
+from draftlab.training.losses import Loss
 from draftlab.training.schedule import configure, warmup_cosine
 
 
@@ -43,10 +45,11 @@ class DFlashModule(L.LightningModule):
     optimizer     a partial ``torch.optim`` constructor (Hydra ``_partial_: true``): the config's, required to fit.
     schedule      a partial LR schedule (``draftlab.training.schedule``); default warm-up 4 % + cosine.
     val_seed      seed of the validation anchors.
+    loss          the loss menu's choice (``conf/loss``; ``methods/dflash/objective.py``); None: DFlash's own CE.
     """
 
     def __init__(self, draft: DFlashDraft, target=None, *, num_anchors: int = 32, gamma: float | None = None,
-                 optimizer=None, schedule=None, total_steps: int | None = None, val_seed: int = 0):
+                 optimizer=None, schedule=None, total_steps: int | None = None, val_seed: int = 0, loss=None):
         super().__init__()
         self.draft = draft
         self.target = target  # not an nn.Module: never in state_dict, never wrapped by DDP/FSDP
@@ -56,14 +59,23 @@ class DFlashModule(L.LightningModule):
         self.schedule_factory = schedule or partial(warmup_cosine, warmup_ratio=0.04)
         self.total_steps = total_steps
         self.val_seed = val_seed
+        self.loss = Loss.of(loss)
         self._val: dict[str, torch.Tensor] | None = None
         self._val_gen: torch.Generator | None = None
         self.save_hyperparameters(ignore=["draft", "target", "optimizer", "schedule"])
 
     # ---- features and the block loss -------------------------------------------------------------------
 
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether the loss reads the target's distribution (a soft term of the loss menu)."""
+        return self.loss is not None and self.loss.needs_teacher
+
     def target_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``aux [B, T, n_taps*d]``: stored in the batch (offline) or computed by the frozen target (online)."""
+        """``aux [B, T, n_taps*d]``: stored in the batch (offline) or computed by the frozen target (online).
+
+        When the loss needs the teacher, an online pass also puts the final-norm states into
+        ``batch["last_hidden"]`` (offline batches carry the store's)."""
         if "aux" in batch:
             return batch["aux"]
         if self.target is None:
@@ -72,8 +84,23 @@ class DFlashModule(L.LightningModule):
             # Right padding + causal attention: padded rows never reach real ones. No LM head (empty rows).
             no_logits = torch.arange(0, device=batch["input_ids"].device)
             out = self.target.forward(batch["input_ids"], request=PassRequest(
-                aux=self.draft.taps(self.target), logits_rows=no_logits))
+                aux=self.draft.taps(self.target), logits_rows=no_logits, last_hidden=self.needs_teacher))
+        if self.needs_teacher:
+            batch["last_hidden"] = out.last_hidden
         return out.aux_hidden
+
+    def slot_loss(self, logits: torch.Tensor, blocks, batch: dict[str, torch.Tensor]) -> BlockOutput:
+        """The loss of slot logits ``[B, A, K, V]``: DFlash's own, or the loss menu's (every DFlash-family module
+        scores its slots through here)."""
+        if self.loss is None:
+            return block_loss(logits, blocks, self.gamma)
+        teacher = None
+        if self.needs_teacher:
+            if "last_hidden" not in batch:
+                raise RuntimeError("the loss needs the target's distribution but the batch has no last_hidden "
+                                   "(an offline store without final states?)")
+            teacher = teacher_probs(self.draft, batch["last_hidden"], blocks)
+        return menu_block_loss(logits, blocks, self.gamma, self.loss, teacher)
 
     def block_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None):
         """Sample blocks for ``batch`` and return the ``BlockOutput`` (loss + per-slot sums)."""
@@ -81,7 +108,7 @@ class DFlashModule(L.LightningModule):
         aux = self.target_features(batch)
         blocks = make_blocks(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], block_size=c.block_size,
                              mask_token_id=c.mask_token_id, num_anchors=self.num_anchors, generator=generator)
-        return block_loss(block_logits(self.draft, aux, blocks), blocks, self.gamma)
+        return self.slot_loss(block_logits(self.draft, aux, blocks), blocks, batch)
 
     # ---- steps -----------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.methods.dflash.blocks import block_loss, block_states, make_blocks, slot_logits
+from draftlab.methods.dflash.blocks import block_states, make_blocks, slot_logits
 from draftlab.methods.dflash.module import DFlashModule
 from draftlab.methods.dflash2.selector_loss import SELECTOR_SUMMED, selector_loss
 from draftlab.nn import simulated_tau
@@ -56,7 +56,7 @@ class DFlash2Module(DFlashModule):
                              mask_token_id=c.mask_token_id, num_anchors=self.num_anchors, generator=generator)
         states = block_states(self.draft, aux, blocks)  # [B, A, bs-1, d]
         logits = slot_logits(self.draft, states)  # [B, A, bs-1, V]
-        out = block_loss(logits, blocks, self.gamma)
+        out = self.slot_loss(logits, blocks, batch)
         self._selector = selector_loss(self.draft, states, logits, blocks, detach=self.selector_detach)
         w = self.selector_weight_at(self.global_step)
         if w > 0:

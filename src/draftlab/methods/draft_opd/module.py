@@ -34,6 +34,7 @@ from draftlab.methods.draft_opd.anchors import Anchor, round_anchor
 from draftlab.methods.draft_opd.objective import Objective, ReplayBatch
 from draftlab.methods.draft_opd.rollout import Rollout, RolloutReport, prompt_of, rollout
 from draftlab.methods.draft_opd.rounds import rounds_at
+from draftlab.training.losses import Loss
 from draftlab.training.schedule import configure
 
 ANCHOR_RULES = ("error", "random", "random_rounds")
@@ -64,6 +65,7 @@ class DraftOPDModule(L.LightningModule):
                        accepted path, rejected node and suffix and the verify pass's target log-probs,
                        ``rounds.rounds_at``).
     objective          ``objective.Objective`` fields (gamma, lambda_acc, lambda_rej, estimator, divergence).
+    loss               the loss menu's choice (``conf/loss``), in place of the two KLs (``objective.Objective``).
     max_prompt_tokens  longer prompts are skipped (counted).
     """
 
@@ -71,7 +73,7 @@ class DraftOPDModule(L.LightningModule):
                  generation: dict | None = None,
                  refresh_every: int = 4, sequences_per_step: int = 2, rejected_suffix: bool = True,
                  anchors: str = "error", objective: dict | None = None, max_prompt_tokens: int | None = 1024,
-                 optimizer=None, schedule=None, total_steps: int | None = None, seed: int = 0):
+                 optimizer=None, schedule=None, total_steps: int | None = None, seed: int = 0, loss=None):
         super().__init__()
         if refresh_every < 1 or sequences_per_step < 1:
             raise ValueError(f"need refresh_every >= 1 and sequences_per_step >= 1, got {refresh_every}, "
@@ -87,7 +89,7 @@ class DraftOPDModule(L.LightningModule):
         self.generation = GenerationConfig(**{"stop_on_eos": True, **(generation or {})})
         self.refresh_every, self.sequences_per_step = int(refresh_every), int(sequences_per_step)
         self.rejected_suffix, self.anchor_rule = bool(rejected_suffix), anchors
-        self.objective = Objective(**(objective or {}))
+        self.objective = Objective(**(objective or {}), menu=Loss.of(loss))
         self.max_prompt_tokens = max_prompt_tokens
         self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
         self.schedule_factory = schedule

@@ -7,7 +7,10 @@ distribution ``q`` over the draft vocabulary (``p`` renormalised there, as EAGLE
     L_rej = sum over rejected positions (k > r_m) of w_k KL(q || p) / sum w_k,  w_k = gamma^(k-1)
     L     = (lambda_acc L_acc + lambda_rej L_rej) / (lambda_acc + lambda_rej)
 
-(a term with no position in the batch drops out, with its lambda). ``estimator="sampled"`` is the official
+(a term with no position in the batch drops out, with its lambda). A loss-menu choice (``menu``,
+``draftlab.training.losses``) replaces both KLs with its terms at every position (the hard label: the target's
+greedy token); its ``method`` weighting keeps the two streams and their weights above, ``uniform`` is the mean
+over replayed positions, ``dpace`` weights each chain's positions by D-PACE. ``estimator="sampled"`` is the official
 code's sampled-token form instead: on the committed tokens (accepted ones and the round's correction or
 bonus token) a local Bernoulli forward KL ``p log(p/q) + (1-p) log((1-p)/(1-q))`` of their probabilities;
 on the rejected tokens (every rejected sibling at r+1, the chain's own tokens after it) the k3 estimator
@@ -20,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from draftlab.training.losses import Loss, chain_weights, hard_confidence, position_losses
 
 ESTIMATORS = ("full", "sampled")
 _LOG_FLOOR, _TERM_CAP = -10.0, 10.0
@@ -57,6 +62,7 @@ class Objective:
     estimator: str = "full"
     # Ablations of the paper's Table: "all forward" / "all reverse" use one divergence at every position.
     divergence: str = "acceptance"  # acceptance | forward | reverse
+    menu: Loss | None = None  # the loss menu's choice in place of the two KLs (module docstring)
 
     def __post_init__(self):
         if self.estimator not in ESTIMATORS:
@@ -66,9 +72,13 @@ class Objective:
         if self.lambda_acc < 0 or self.lambda_rej < 0 or self.lambda_acc + self.lambda_rej <= 0:
             raise ValueError(f"need lambda_acc, lambda_rej >= 0 with a positive sum, got "
                              f"{self.lambda_acc}, {self.lambda_rej}")
+        if self.menu is not None and self.estimator != "full":
+            raise ValueError("a loss-menu choice (loss=...) scores full distributions: it needs objective.estimator=full")
 
     def __call__(self, batch: ReplayBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss, stats)``: stats hold the per-stream means and position counts (no gradient)."""
+        if self.menu is not None:
+            return self._menu(batch)
         if self.estimator == "full":
             return self._full(batch)
         return self._sampled(batch)
@@ -112,6 +122,21 @@ class Objective:
         rej_sum, rej_w = (rkl * w).sum(), w.sum()
         loss = self._combine(fwd_sum, fwd_n, rej_sum, rej_w)
         return loss, _stats(fkl, rkl, fwd, rev)
+
+    def _menu(self, batch: ReplayBatch):
+        logp = batch.target_logprobs.float()
+        p = torch.softmax(logp, -1)  # [M, K, V] renormalised over the draft vocabulary
+        labels = p.argmax(-1)  # [M, K]
+        ell = position_losses(self.menu, batch.draft_logprobs, p, labels)  # [M, K]
+        fwd, rev = self._split(batch)
+        if self.menu.weighting == "method":
+            w = self._weights(batch)[None].expand_as(rev) * rev  # [M, K]
+            loss = self._combine((ell * fwd).sum(), fwd.sum(), (ell * w).sum(), w.sum())
+        else:
+            conf = lambda: hard_confidence(batch.draft_logprobs.detach(), labels)  # noqa: E731
+            w = chain_weights(self.menu, torch.ones(()), batch.valid, conf)  # [M, K]
+            loss = (ell * w).sum() / w.sum().clamp_min(1e-12)
+        return loss, _stats(ell.detach(), ell.detach(), fwd, rev)
 
     def _sampled(self, batch: ReplayBatch):
         if batch.committed is None or batch.rejected is None:

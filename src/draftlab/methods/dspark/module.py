@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from draftlab.methods.dflash.blocks import BlockOutput, block_loss, block_states, make_blocks, slot_logits
+from draftlab.methods.dflash.blocks import BlockOutput, block_states, make_blocks, slot_logits
 from draftlab.methods.dflash.module import DFlashModule
 from draftlab.methods.dspark.config import DSparkConfig
 from draftlab.methods.dspark.model import DSparkDraft
@@ -76,11 +76,11 @@ class DSparkModule(DFlashModule):
                              mask_token_id=c.mask_token_id, num_anchors=self.num_anchors, generator=generator)
         states = block_states(self.draft, aux, blocks)  # [B, A, K, d]
         base_logits = slot_logits(self.draft, states)  # [B, A, K, V]
-        base = block_loss(base_logits, blocks, self.gamma)
+        base = self.slot_loss(base_logits, blocks, batch)
         anchor_ids = batch["input_ids"].gather(1, blocks.anchors)  # [B, A]
         prev = markov_inputs(anchor_ids, blocks.labels)  # [B, A, K]
         markov_logits = base_logits + self.draft.markov_bias(prev)  # [B, A, K, V]
-        markov = block_loss(markov_logits, blocks, self.gamma)
+        markov = self.slot_loss(markov_logits, blocks, batch)
         conf = confidence_loss(self.draft, states, markov_logits, blocks.labels, blocks.label_valid,
                                self.confidence_target)
         total = self.base_weight * base.loss + self.markov_weight * markov.loss + self.confidence_weight * conf

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from draftlab.nn import LlamaLayerGeometry
+from draftlab.nn.window import check_window
 from draftlab.targets.base import LayerConvention, to_convention
 
 
@@ -52,6 +53,10 @@ class Eagle3Config:
     # is fed back across draft steps: the fed-back hidden state is always the pre-norm residual stream
     # (speculators' norm_output, which feeds the post-norm state back, is a different switch).
     norm_output: bool = True
+    # Sliding-window attention (HF's sliding_window; draftlab.nn.window): a row at position p sees draft keys at
+    # positions > p - W, counting its own; None = full causal attention. TTT step k of row t sits at position t + k,
+    # so it sees the step-0 keys t + k - W < s <= t and its own keys of steps j > k - W (all of them once W > k).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.target_hidden_size is None:
@@ -71,6 +76,7 @@ class Eagle3Config:
         # would make the draft's own fed-back state indistinguishable from target features.
         if 3 * self.target_hidden_size == self.hidden_size:
             raise ValueError("3 * target_hidden_size == hidden_size makes fused features and draft states ambiguous")
+        self.sliding_window = check_window(self.sliding_window)
 
     @property
     def layer(self) -> LlamaLayerGeometry:
@@ -82,7 +88,12 @@ class Eagle3Config:
         return 3 * self.target_hidden_size
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["sliding_window"] is None:
+            # Left out at its default: a draft without a window keeps the dict (checkpoints, the exports' draftlab
+            # block) it had before the field existed, and such an old dict reads back with the default.
+            del out["sliding_window"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Eagle3Config:

@@ -14,7 +14,10 @@ of the token after it. ``DraftRows`` owns that bookkeeping so drafters only deci
   distribution is computed (``root_draft_logprobs``, and the full-vocabulary view ``root_logprobs``,
   built from it on first read);
 - all take optional ``SideKeys``: keys outside the cache the rows also attend to (ConFu's future token),
-  so no method has to move committed rows around slots of its own.
+  so no method has to move committed rows around slots of its own;
+- a draft with a ``sliding_window`` needs each cache row's position (committed row i sits at position i, a
+  provisional tree row wherever its pass put it): ``slot_positions`` keeps them and every pass hands them to
+  ``CacheAttention``, which cuts the keys outside each row's window.
 
 Log-probs over the draft vocabulary are exactly the finite entries of the full-vocabulary ones (those are
 ``-inf`` outside it, so the softmax over ``V_d`` is the same softmax), hence top-k there picks the same
@@ -49,6 +52,7 @@ class DraftRows:
         self._root_draft: torch.Tensor | None = None  # [V_d] its log-probs over the draft vocabulary
         self._root_full: torch.Tensor | None = None  # [V] the same over the target vocabulary (lazy)
         self._target_ids = draft.target_ids()  # [V_d]
+        self.slot_positions: torch.Tensor | None = None  # [max_length] position of each cache row (windowed drafts)
 
     @property
     def device(self) -> torch.device:
@@ -95,6 +99,7 @@ class DraftRows:
         """A fresh, empty cache for a sequence whose prompt will need ``prompt_rows`` rows."""
         self._target_ids = self.draft.target_ids()
         self.cache = self.draft.new_cache(1, prompt_rows + self.chunk)
+        self.slot_positions = None
         self.committed, self.num_tokens = 0, 1
         self.h_last, self._root_draft, self._root_full = None, None, None
 
@@ -110,6 +115,22 @@ class DraftRows:
         grown.v[:, :, :, :n] = cache.v[:, :, :, :n]
         grown.length = n
         self.cache = grown
+        if self.slot_positions is not None:
+            positions = torch.arange(grown.max_length, device=self.slot_positions.device)
+            positions[:n] = self.slot_positions[:n]
+            self.slot_positions = positions
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Record the positions ``[T]`` of the rows a pass writes next and return every row's ``[length + T]``;
+        None for a draft without a sliding window (its attention needs no positions)."""
+        if getattr(self.draft.config, "sliding_window", None) is None:
+            return None
+        if self.slot_positions is None:
+            # Committed row i is position i (``append``); provisional rows are overwritten as they are written.
+            self.slot_positions = torch.arange(self.cache.max_length, device=positions.device)
+        past, T = self.cache.length, positions.shape[0]
+        self.slot_positions[past:past + T] = positions
+        return self.slot_positions[:past + T]
 
     # ---- draft passes ------------------------------------------------------------------------------------
 
@@ -120,8 +141,8 @@ class DraftRows:
         length and left uncommitted; ``mask [T, length + T]`` (default causal). Returns (states [T, d],
         fp32 log-probs over the draft vocabulary [T', V_d]) for the rows ``logits_rows`` (default: all)."""
         self.reserve(ids.shape[0])
-        h, logits = self.draft.forward_step(ids[None], hidden[None], positions[None],
-                                            CacheAttention(self.cache, mask, side),
+        attention = CacheAttention(self.cache, mask, side, self.key_positions(positions))
+        h, logits = self.draft.forward_step(ids[None], hidden[None], positions[None], attention,
                                             logits_rows=logits_rows)  # [1, T, d], [1, T', V_d]
         # A bf16 head's weight-major logits are a transposed view: converting into a contiguous fp32
         # tensor is cheap, a softmax over the strided one is not.
@@ -132,8 +153,8 @@ class DraftRows:
             mask: torch.Tensor | None = None, side: SideKeys | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``step`` with log-probs over the target vocabulary: returns (states [T, d], log-probs [T, V])."""
         self.reserve(ids.shape[0])
-        h, logits = self.draft.forward_step(ids[None], hidden[None], positions[None],
-                                            CacheAttention(self.cache, mask, side))  # [1, T, d], [1, T, V_d]
+        attention = CacheAttention(self.cache, mask, side, self.key_positions(positions))
+        h, logits = self.draft.forward_step(ids[None], hidden[None], positions[None], attention)  # [1, T, d], [1, T, V_d]
         return h[0], self.full_vocab_logprobs(logits[0])
 
     def full_vocab_logprobs(self, logits: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,14 @@ Attention is pluggable: the layer computes rotated q/k/v and hands them to an *a
 - inference against a persistent draft KV cache (``CacheAttention`` over ``draftlab.decoding.KVCache``,
   with an explicit tree mask),
 
-without the layer knowing which one it runs under.
+without the layer knowing which one it runs under. A draft with a ``sliding_window`` passes it to every call
+(``attn(layer, q, k, v, scale, window=W)``) and refuses an attention object that takes no ``window``, so no
+back-end can silently attend past it; a draft without one calls exactly as before.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +31,7 @@ from torch import nn
 from draftlab.methods.eagle3.config import Eagle3Config
 from draftlab.nn import RMSNorm, Rotary, apply_rotary, compute_dtype
 from draftlab.nn.placement import target_device
+from draftlab.nn.window import in_window
 from draftlab.targets.base import to_convention
 from draftlab.targets.cache import KVCache
 
@@ -36,9 +40,34 @@ from draftlab.targets.cache import KVCache
 
 
 class DraftAttention(Protocol):
-    """How a draft layer attends: ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]`` (rotated) -> ``[B, H, T, hd]``."""
+    """How a draft layer attends: ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]`` (rotated) -> ``[B, H, T, hd]``.
+
+    A back-end that can apply a sliding window takes a keyword ``window`` (``Eagle3Config.sliding_window``)."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+_TAKES_WINDOW: dict[object, bool] = {}  # per back-end class (per function for plain functions)
+
+
+def _takes_window(attention) -> bool:
+    key = attention if inspect.isfunction(attention) else type(attention)
+    if key not in _TAKES_WINDOW:
+        params = inspect.signature(attention).parameters.values()
+        _TAKES_WINDOW[key] = any(p.name == "window" or p.kind is p.VAR_KEYWORD for p in params)
+    return _TAKES_WINDOW[key]
+
+
+def attend(attention: DraftAttention, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           window: int | None) -> torch.Tensor:
+    """``attention(layer, q, k, v, scale)``, with ``window=`` when the draft has one; ``ValueError`` for a back-end
+    whose ``__call__`` takes no ``window`` (it would attend past the window the draft was built for)."""
+    if window is None:
+        return attention(layer, q, k, v, scale)
+    if not _takes_window(attention):
+        raise ValueError(f"{type(attention).__name__} applies no sliding window, but the draft has "
+                         f"sliding_window={window}")
+    return attention(layer, q, k, v, scale, window=window)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -62,11 +91,14 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def causal_mask(T: int, attention_mask: torch.Tensor | None = None, *,
-                device: torch.device | str | None = None) -> torch.Tensor:
-    """bool ``[B|1, T, T]``: causal, and (given ``attention_mask [B, T]``, 1 = real) no padded keys."""
+                device: torch.device | str | None = None, window: int | None = None) -> torch.Tensor:
+    """bool ``[B|1, T, T]``: causal, and (given ``attention_mask [B, T]``, 1 = real) no padded keys; with a sliding
+    ``window`` W, row t sees only keys ``t - W < s <= t`` (W <= 0: none)."""
     if attention_mask is not None:
         device = attention_mask.device
     mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]  # [1, T, T]
+    if window is not None:
+        mask = mask & ~torch.ones(T, T, dtype=torch.bool, device=device).tril(-window)  # drop s <= t - W
     if attention_mask is not None:
         mask = mask & attention_mask.bool()[:, None, :]  # [B, T, T]
     return mask
@@ -78,8 +110,9 @@ class CausalAttention:
     def __init__(self, attention_mask: torch.Tensor | None = None):
         self.attention_mask = attention_mask
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        mask = causal_mask(q.shape[2], self.attention_mask, device=q.device)
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                 window: int | None = None) -> torch.Tensor:
+        mask = causal_mask(q.shape[2], self.attention_mask, device=q.device, window=window)
         return masked_attention(q, k, v, mask, scale)
 
 
@@ -90,26 +123,43 @@ class CacheAttention:
     ``[0, length + T)`` under ``attn_mask`` (bool ``[T, S]`` or ``[B, T, S]``, ``S = length + T``; default
     causal). Nothing becomes context until the caller runs ``cache.commit(n)`` / ``commit_rows`` after
     the forward, which is what lets a drafter expand tree frontiers and then keep only accepted rows.
+
+    ``key_positions`` [S]: the position of every cached and new row (the new rows' are the last T), which a
+    draft's sliding ``window`` needs (``in_window``); the side keys are never windowed.
     """
 
-    def __init__(self, cache: KVCache, attn_mask: torch.Tensor | None = None, side: SideKeys | None = None):
+    def __init__(self, cache: KVCache, attn_mask: torch.Tensor | None = None, side: SideKeys | None = None,
+                 key_positions: torch.Tensor | None = None):
         self.cache = cache
         self.attn_mask = attn_mask
         self.side = side
+        self.key_positions = key_positions
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                 window: int | None = None) -> torch.Tensor:
         T = q.shape[2]
         past = self.cache.reserve(T)
         k_all, v_all = self.cache.write(layer, past, k, v)  # [B, Hkv, past + T, hd]
         S = past + T
         mask = self.attn_mask
         if mask is None:
-            mask = None if T == 1 and self.side is None else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
+            if not (T == 1 and self.side is None and window is None):
+                mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
         elif mask.shape[-2:] != (T, S):
             raise ValueError(f"attn_mask must be [.., {T}, {S}] (new rows x (cached + new)), got {tuple(mask.shape)}")
+        if window is not None:
+            mask = mask & self._window(window, T, S)
         if self.side is not None:
             k_all, v_all, mask = self.side.extend(layer, k_all, v_all, mask)
         return masked_attention(q, k_all, v_all, mask, scale)
+
+    def _window(self, window: int, T: int, S: int) -> torch.Tensor:
+        """bool ``[T, S]``: the keys within ``window`` of each new row, by ``key_positions``."""
+        pos = self.key_positions
+        if pos is None or pos.shape[0] != S:
+            raise ValueError(f"a sliding window needs key_positions for all {S} rows (cached + new), got "
+                             f"{None if pos is None else tuple(pos.shape)}: DraftRows passes them")
+        return in_window(pos[S - T:], pos, window)
 
 
 @dataclass
@@ -182,6 +232,7 @@ class Eagle3Attention(nn.Module):
         self.k_proj = DraftLinear(in_features, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = DraftLinear(in_features, c.num_kv_heads * c.head_dim, bias=False)
         self.o_proj = DraftLinear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.sliding_window = c.sliding_window
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: DraftAttention,
                 layer: int) -> torch.Tensor:
@@ -191,7 +242,7 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
         v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = attention(layer, q, k, v, self.scale)  # [B, H, T, hd]
+        o = attend(attention, layer, q, k, v, self.scale, self.sliding_window)  # [B, H, T, hd]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * hd))  # [B, T, d]
 
 

@@ -28,6 +28,7 @@ from draftlab.kernels.soft_cross_entropy import soft_cross_entropy
 from draftlab.kernels.ttt_attention import resolve_impl
 from draftlab.kernels.ttt_attention import ttt_attention as kernel_ttt_attention
 from draftlab.methods.eagle3.model import causal_mask, masked_attention
+from draftlab.training.losses import Loss, chain_weights, hard_confidence, position_losses
 
 NORMALIZATIONS = ("batch_tokens", "mask_sum")
 
@@ -38,7 +39,7 @@ NORMALIZATIONS = ("batch_tokens", "mask_sum")
 
 def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                   attention_mask: torch.Tensor | None, scale: float, query_rows: torch.Tensor | None = None,
-                  impl: str = "torch") -> torch.Tensor:
+                  impl: str = "torch", window: int | None = None) -> torch.Tensor:
     """Prefix + diagonal attention of TTT step ``k = len(keys) - 1``.
 
     q [B, H, T, hd]; keys/values: per step 0..k, each [B, Hkv, T, hd]; attention_mask [B, T] (1 = real)
@@ -50,28 +51,33 @@ def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequenc
 
     ``impl``: ``torch`` (one ``[T, T]`` score block per step kept for backward), ``blockwise`` (online softmax,
     O(T) memory), ``triton``, ``flex`` or ``auto`` (see ``draftlab.kernels.ttt_attention``).
+    ``window``: the draft's sliding window (``Eagle3Config.sliding_window``), passed to the kernel.
     """
     return kernel_ttt_attention(q, keys[0], values[0], keys[1:], values[1:], scale, rows=query_rows,
-                                key_mask=attention_mask, impl=impl)
+                                key_mask=attention_mask, impl=impl, window=window)
 
 
 def ttt_attention_mask(T: int, num_steps: int, attention_mask: torch.Tensor | None = None, *,
-                       device: torch.device | str | None = None) -> torch.Tensor:
+                       device: torch.device | str | None = None, window: int | None = None) -> torch.Tensor:
     """Explicit TTT mask bool ``[B|1, T, num_steps * T]`` over keys concatenated step-major (0, 1, .., k).
 
-    Block 0 is causal minus padded keys; blocks 1..k are the identity (a row sees its own later keys).
+    Block 0 is causal minus padded keys; blocks 1..k are the identity (a row sees its own later keys). A sliding
+    ``window`` W (row t of step k at position t + k): block 0 keeps ``s > t + k - W``, block j only if ``k - j < W``.
     """
-    prefix = causal_mask(T, attention_mask, device=device)  # [B|1, T, T]
+    k = num_steps - 1
+    prefix = causal_mask(T, attention_mask, device=device, window=None if window is None else window - k)
     eye = torch.eye(T, dtype=torch.bool, device=prefix.device).expand(prefix.shape[0], T, T)
-    return torch.cat([prefix] + [eye] * (num_steps - 1), dim=-1)
+    later = [eye if window is None or k - j < window else torch.zeros_like(eye) for j in range(1, num_steps)]
+    return torch.cat([prefix] + later, dim=-1)
 
 
 def naive_ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                        attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                        attention_mask: torch.Tensor | None, scale: float, window: int | None = None) -> torch.Tensor:
     """Brute-force reference for ``ttt_attention``: concatenated keys under ``ttt_attention_mask``."""
     k_all = torch.cat(list(keys), dim=2)  # [B, Hkv, (k+1)T, hd]
     v_all = torch.cat(list(values), dim=2)  # [B, Hkv, (k+1)T, hd]
-    mask = ttt_attention_mask(q.shape[2], len(keys), attention_mask, device=q.device)  # [B|1, T, (k+1)T]
+    mask = ttt_attention_mask(q.shape[2], len(keys), attention_mask, device=q.device,
+                              window=window)  # [B|1, T, (k+1)T]
     return masked_attention(q, k_all, v_all, mask, scale)
 
 
@@ -101,14 +107,16 @@ class TTTAttention:
     def num_steps(self) -> int:
         return len(self.keys.get(0, []))
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                 window: int | None = None) -> torch.Tensor:
         keys, values = self.keys.setdefault(layer, []), self.values.setdefault(layer, [])
         keys.append(k)
         values.append(v)
         if self.naive and (self.query_rows is None or len(keys) == 1):
-            return naive_ttt_attention(q, keys, values, self.attention_mask, scale)
+            return naive_ttt_attention(q, keys, values, self.attention_mask, scale, window)
         rows = self.query_rows if len(keys) > 1 else None
-        return ttt_attention(q, keys, values, self.attention_mask, scale, rows, "torch" if self.naive else self.impl)
+        return ttt_attention(q, keys, values, self.attention_mask, scale, rows, "torch" if self.naive else self.impl,
+                             window)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -162,7 +170,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
                 loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None, *, ttt_length: int = 7,
                 step_weight: float = 0.8, normalization: str = "batch_tokens",
                 position_ids: torch.Tensor | None = None, impl: str = "auto", cross_entropy: str = "auto",
-                attention: TTTAttention | None = None, row_mask: torch.Tensor | None = None) -> TTTOutput:
+                attention: TTTAttention | None = None, row_mask: torch.Tensor | None = None,
+                loss: Loss | None = None) -> TTTOutput:
     """Unrolled EAGLE-3 training-time test over ``ttt_length`` steps.
 
     draft          an ``Eagle3Draft`` (anything with ``forward_step`` and ``d2t``/``t2d`` buffers).
@@ -181,6 +190,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
                    ``TTTAttention(attention_mask, impl=impl)``; methods with extra keys pass their own.
     row_mask       [B, T] optional per-row weight applied at EVERY step without shifting (row t stays
                    excluded at all steps), on top of ``lm_k`` below.
+    loss           a ``draftlab.training.losses.Loss`` in place of the soft cross-entropy below (None: today's);
+                   see ``_menu_loss`` for how its terms and weighting combine over the steps.
 
     Per step k (all sums over batch and rows), ``lm_k[t] = loss_mask[t + k] * attention_mask[t + k + 1]``:
     EAGLE's unshifted-then-shifted loss mask, and additionally zero where the target row t+k+1 is padding
@@ -213,6 +224,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
     hidden = aux_hidden  # 3*d_t at step 0 (forward_step runs fc), the draft's own d-dim state afterwards
     prev_correct = torch.ones(B, T, dtype=torch.bool, device=device)
     total = None
+    menu: list[tuple] = []  # per step (ell, pos_mask, labels, logits) when a loss menu entry is chosen
     per_step: list[dict[str, torch.Tensor]] = []
     weights = [step_weight ** k for k in range(ttt_length)]
     for k in range(ttt_length):
@@ -220,18 +232,46 @@ def ttt_forward(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target
         hidden, logits = draft.forward_step(ids_k, hidden, position_ids + k, attention)  # [B, T, d], [B, T, V_d]
         p = _shift_left(tgt.p, k + 1)  # [B, T, V_d] row t targets x_{t+k+2}
         lm = _shift_left(loss_mask, k) * _shift_left(has_target_all, k + 1)  # [B, T]
-        if row_weight is not None:
-            lm = lm * row_weight
+        lm = lm if row_weight is None else lm * row_weight
         pos_mask = lm * _shift_left(tgt.in_draft, k + 1)  # [B, T]
-
-        ce = _soft_ce(logits, p, cross_entropy)  # [B, T]
+        ce = _row_losses(loss, logits, p, tgt, k, cross_entropy, pos_mask, menu)  # [B, T]
         loss_sum = (ce * pos_mask).sum()
         denom = denom_bt if normalization == "batch_tokens" else lm.sum().clamp_min(1.0)
         loss_k = loss_sum / denom
         total = weights[k] * loss_k if total is None else total + weights[k] * loss_k
         stats, prev_correct = _step_metrics(tgt, k, logits.detach(), lm, prev_correct)
         per_step.append(dict(loss=loss_k, loss_sum=loss_sum.detach(), loss_denom=denom.detach().float(), **stats))
+    if loss is not None and loss.weighting != "method":
+        total = _menu_loss(loss, menu, weights)
     return TTTOutput(loss=total, per_step=per_step, weights=weights)
+
+
+def _row_losses(loss: Loss | None, logits: torch.Tensor, p: torch.Tensor, tgt: _TargetSide, k: int,
+                cross_entropy: str, pos_mask: torch.Tensor, menu: list) -> torch.Tensor:
+    """Step k's row losses [B, T]: the soft cross-entropy, or the menu's terms (hard label: the target's greedy
+    token in draft ids), whose per-step pieces are kept in ``menu`` for ``_menu_loss``."""
+    if loss is None:
+        return _soft_ce(logits, p, cross_entropy)
+    labels = _shift_left(tgt.argmax, k + 1)  # [B, T]
+    ell = position_losses(loss, logits, p, labels)
+    menu.append((ell, pos_mask, labels, logits))
+    return ell
+
+
+def _menu_loss(loss: Loss, steps: list, step_weights: list[float]) -> torch.Tensor:
+    """The loss over all steps under a weighting other than the method's (which keeps TTT's sum of per-step
+    means above): the positions of row t's chain are its steps k = 0..K-1, and the loss is the weighted mean
+    ``sum w ell / sum w`` over rows and steps (``uniform``: w = 1; ``dpace``: D-PACE along each row's steps,
+    the draft's confidence in the target's greedy token)."""
+    ell = torch.stack([s[0] for s in steps], -1)  # [B, T, K]
+    valid = torch.stack([s[1] for s in steps], -1) > 0  # [B, T, K]
+    method = torch.tensor(step_weights, device=ell.device)  # [K]
+
+    def confidence() -> torch.Tensor:
+        return torch.stack([hard_confidence(s[3].detach(), s[2]) for s in steps], -1)  # [B, T, K]
+
+    w = chain_weights(loss, method, valid, confidence)  # [B, T, K]
+    return (w * ell).sum() / w.sum().clamp_min(1e-12)
 
 
 def _check_inputs(draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target_logits: torch.Tensor,

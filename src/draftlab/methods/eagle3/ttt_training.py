@@ -18,6 +18,7 @@ import torch
 
 from draftlab.methods.eagle3.ttt import NORMALIZATIONS, TTTAttention, TTTOutput, ttt_forward
 from draftlab.nn import simulated_tau
+from draftlab.training.losses import Loss
 from draftlab.training.schedule import configure
 
 _SUMMED = ("correct", "count", "cond_correct", "cond_count", "accept_sum", "loss_sum", "loss_denom")
@@ -55,6 +56,7 @@ class TTTStep:
     cross_entropy: str = "auto"  # the loss's soft cross-entropy (draftlab.kernels.soft_cross_entropy)
     curriculum: Sequence[Sequence[float]] | None = None
     val_ttt_length: int | None = None
+    loss: Loss | None = None  # the loss menu's choice (draftlab.training.losses); None: the soft cross-entropy
 
     def __post_init__(self):
         if self.normalization not in NORMALIZATIONS:
@@ -84,7 +86,8 @@ class TTTStep:
                  attention: TTTAttention | None = None, row_mask: torch.Tensor | None = None) -> TTTOutput:
         return ttt_forward(draft, input_ids, aux, logits, loss_mask, attention_mask, ttt_length=self.active,
                            step_weight=self.step_weight, normalization=self.normalization,
-                           impl=self.attention, cross_entropy=self.cross_entropy, attention=attention, row_mask=row_mask)
+                           impl=self.attention, cross_entropy=self.cross_entropy, attention=attention, row_mask=row_mask,
+                           loss=self.loss)
 
 
 class TTTMetrics:
@@ -161,17 +164,19 @@ class TTTTraining(L.LightningModule):
     attention      the TTT attention's kernel (``draftlab.kernels.ttt_attention``; ``auto``: Triton on CUDA,
                    blockwise elsewhere); ``cross_entropy`` the loss's (``draftlab.kernels.soft_cross_entropy``).
                    Neither changes the loss, so neither enters the training key.
+    loss           the loss menu's choice (``conf/loss``; ``draftlab.training.losses.Loss``): terms in place of the
+                   soft cross-entropy, and ``weighting`` (``method`` keeps ``step_weight``); None: today's loss.
     """
 
     def __init__(self, draft, target=None, *, ttt_length: int = 7, step_weight: float = 0.8,
                  normalization: str = "batch_tokens", optimizer=None, schedule=None, total_steps: int | None = None,
                  ttt_curriculum=None, val_ttt_length: int | None = None, attention: str = "auto",
-                 cross_entropy: str = "auto"):
+                 cross_entropy: str = "auto", loss=None):
         super().__init__()
         self.draft = draft
         self.target = target
         self.ttt = TTTStep(ttt_length, step_weight, normalization, attention, cross_entropy, ttt_curriculum,
-                           val_ttt_length)
+                           val_ttt_length, Loss.of(loss))
         self.metrics = TTTMetrics(step_weight)
         self.optimizer_factory = optimizer  # conf/method/<m>.yaml's module.optimizer: its defaults live there
         self.schedule_factory = schedule

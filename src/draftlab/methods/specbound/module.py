@@ -26,6 +26,7 @@ import lightning as L
 import torch
 
 from draftlab.methods.specbound.heads import ExitHeads, act_temperature
+from draftlab.training.losses import Loss, position_losses
 from draftlab.training.schedule import configure, warmup_cosine
 
 _CHUNK = 256  # rows per LM-head chunk in validation ([chunk, V] at a time)
@@ -73,12 +74,19 @@ class SpecBoundModule(L.LightningModule):
     alpha, tau, d_max, w_max  ACT and the bounds used by the validation metrics (the drafter has its own,
                   defaulting to these); ``d_max`` None = the deepest exit layer.
     max_positions loss positions per training batch (random subset); None = all.
+    loss          the loss menu's choice (``conf/loss``) in place of ``KL(p_final || p_l)``: its terms against the
+                  final layer's distribution and greedy token. Each head drafts one position, so there is no
+                  chain to weight: ``weighting`` must be ``method`` or ``uniform`` (the same here).
     """
 
     def __init__(self, draft: ExitHeads, target, *, alpha: float = 1.0, tau: float = 0.8, d_max: int | None = None,
                  w_max: int = 6, max_positions: int | None = 512, optimizer=None, schedule=None,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, loss=None):
         super().__init__()
+        self.loss = Loss.of(loss)
+        if self.loss is not None and self.loss.weighting == "dpace":
+            raise ValueError("SpecBound's exit heads each draft one position from their layer: there is no chain of "
+                             "positions for D-PACE to weight (loss.weighting: method | uniform)")
         if target is None:
             raise ValueError("SpecBound trains on the target's own forward: the module needs the target")
         draft.check_target(target)
@@ -114,7 +122,10 @@ class SpecBoundModule(L.LightningModule):
         for layer in self.draft.exit_layers:
             h = states[layer].reshape(1, -1, d)[:, idx]  # [1, n, d]
             logq = torch.log_softmax(self.draft.logits(self.target, h, layer).float(), -1)  # [1, n, V]
-            losses[layer] = (p_final * (logp_final - logq)).sum(-1).mean()  # KL(p_final || p_l)
+            if self.loss is None:
+                losses[layer] = (p_final * (logp_final - logq)).sum(-1).mean()  # KL(p_final || p_l)
+            else:
+                losses[layer] = position_losses(self.loss, logq, p_final, p_final.argmax(-1)).mean()
         loss = torch.stack(list(losses.values())).sum()
         bs = batch["input_ids"].shape[0]
         self.log("train/loss", loss.detach(), batch_size=bs, prog_bar=True)

@@ -54,6 +54,12 @@ vLLM (``speculative_config={"method": "eagle3", "model": <dir>}``), variant ``vl
   caps the draft's context (``SpeculativeConfig._maybe_override_draft_max_model_len`` in
   vllm/config/speculative.py takes the smaller of draft and target): it is the target's value, not a default.
 
+A draft with a ``sliding_window`` W (``Eagle3Config``) adds, in both variants, ``layer_types`` (every draft
+layer ``sliding_attention``), ``use_sliding_window: true`` and ``sliding_window: W`` at the top level: vLLM's
+``LlamaAttention`` (vllm/model_executor/models/llama.py) gives a draft layer ``config.sliding_window`` when its
+``layer_types`` entry is ``sliding_attention``. Whether SGLang's EAGLE-3 model applies it is not checked here
+(``native_config`` warns). A draft without a window writes none of these keys.
+
 The speculators variant (``vllm serve <dir>``) is in ``draftlab.methods.eagle3.export.speculators``.
 """
 
@@ -85,6 +91,7 @@ from draftlab.methods.eagle3.export.common import (
 )
 from draftlab.methods.eagle3.model import Eagle3Draft
 from draftlab.nn import rope_from_hf_config
+from draftlab.nn.window import hf_window_keys, window_from_hf
 from draftlab.targets.base import LayerConvention, to_convention
 from draftlab.utils.logging import get_logger
 
@@ -127,6 +134,10 @@ def _warn_unread(config: Eagle3Config, engine: str) -> None:
             log.warning("SGLang's EAGLE-3 model (python/sglang/srt/models/llama_eagle3.py) does not build %s: it "
                         "would serve this draft differently from how it was trained (SpecForge reads the keys)",
                         ", ".join(unread))
+        if c.sliding_window is not None:
+            log.warning("sliding_window=%d is written as layer_types / sliding_window, but draftlab has not checked "
+                        "that SGLang's EAGLE-3 model applies it: without it SGLang attends to the whole context",
+                        c.sliding_window)
 
 
 def native_config(config: Eagle3Config, *, torch_dtype: str, max_position_embeddings: int,
@@ -156,6 +167,8 @@ def native_config(config: Eagle3Config, *, torch_dtype: str, max_position_embedd
         # sglang: SpecForge's "final norm before lm_head"; vllm: "feed the post-norm state back" (never, here).
         "norm_output": c.norm_output if engine == "sglang" else False,
     })
+    if c.sliding_window is not None:
+        out.update(hf_window_keys(c.sliding_window, c.num_layers))
     if aux:
         if engine == "vllm":
             out[AUX_KEY] = list(aux)  # what every vLLM build reads first
@@ -289,6 +302,7 @@ def config_from_native_json(cfg: dict[str, Any], tensor_keys, *, source: str, ta
             # Native EAGLE-3 / SpecForge drafts add the raw hidden state to the residual (vLLM's default too).
             norm_before_residual=bool(cfg.get("norm_before_residual", False)),
             norm_output=norm_output,
+            sliding_window=window_from_hf(cfg, int(cfg.get("num_hidden_layers", 1))),
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from e

@@ -18,6 +18,10 @@ native EAGLE-3 drafts use False.
 to the next draft step"; a draftlab draft always feeds the pre-norm residual stream back, which is
 speculators' False. (draftlab's own ``norm_output`` is SpecForge's switch for the final norm before
 ``lm_head``; speculators always applies that norm, so only drafts with ``norm_output=True`` can be exported.)
+
+A draft with a ``sliding_window`` W writes ``layer_types`` (all ``sliding_attention``), ``use_sliding_window:
+true`` and ``sliding_window: W`` into ``transformer_layer_config``, the dict vLLM builds the draft's Llama config
+from (``update_eagle3`` keeps it), whose ``LlamaAttention`` windows the layers ``layer_types`` marks sliding.
 """
 
 from __future__ import annotations
@@ -49,10 +53,8 @@ from draftlab.methods.eagle3.export.common import (
 )
 from draftlab.methods.eagle3.model import Eagle3Draft
 from draftlab.nn import rope_from_hf_config
+from draftlab.nn.window import hf_window_keys, window_from_hf
 from draftlab.targets.base import LayerConvention, to_convention
-from draftlab.utils.logging import get_logger
-
-log = get_logger(__name__)
 
 
 def speculators_config(config: Eagle3Config, *, torch_dtype: str, max_position_embeddings: int,
@@ -76,6 +78,8 @@ def speculators_config(config: Eagle3Config, *, torch_dtype: str, max_position_e
         "mlp_bias": False,
         "torch_dtype": torch_dtype,
     }
+    if c.sliding_window is not None:
+        layer_config.update(hf_window_keys(c.sliding_window, c.num_layers))
     aux = [to_convention(i, c.layer_convention, LayerConvention.INPUT_TO) for i in c.aux_layer_ids]
     return {
         "architectures": [SPECULATORS_ARCHITECTURE],
@@ -145,9 +149,6 @@ def config_from_speculators_json(cfg: dict[str, Any], *, source: str, target=Non
     if tl.get("model_type", "llama") != "llama":
         raise ValueError(f"{source}: draft layers of model_type {tl.get('model_type')!r} are not supported "
                          "(draftlab's EAGLE-3 draft is a Llama layer)")
-    if tl.get("sliding_window") and tl.get("use_sliding_window", True):
-        log.warning("%s: the draft layers use sliding-window attention (%s); draftlab attends to the whole "
-                    "context, which matches only for sequences within the window", source, tl["sliding_window"])
     d, heads, vocab = int(tl["hidden_size"]), int(tl["num_attention_heads"]), int(tl["vocab_size"])
     aux = cfg.get("eagle_aux_hidden_state_layer_ids")
     if aux is None:
@@ -174,6 +175,7 @@ def config_from_speculators_json(cfg: dict[str, Any], *, source: str, target=Non
             # vLLM's reading of a speculators config without the key.
             norm_before_residual=bool(cfg.get("norm_before_residual", True)),
             norm_output=True,
+            sliding_window=window_from_hf(tl, int(tl.get("num_hidden_layers", 1))),
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from e

@@ -34,6 +34,7 @@ from draftlab.methods.eagle3.export.common import (
     weights_file,
 )
 from draftlab.methods.eagle3.export.native import native_engine
+from draftlab.nn.window import window_from_hf, window_problems
 from draftlab.targets.base import LayerConvention, to_convention
 
 FORMATS = ("sglang", "vllm", "speculators", "native")
@@ -254,6 +255,7 @@ def _draftlab_block_problems(cfg: dict, engine: str, aux: list[int] | None, prob
     if block.get("layer_convention") not in (None, c.layer_convention):
         problems.add(f"config: draftlab layer_convention {block.get('layer_convention')!r} disagrees with its "
                      f"eagle3_config ({c.layer_convention!r})")
+    problems.extend(window_problems(cfg, c.sliding_window, c.num_layers, "config"))
     norm_output = cfg.get("norm_output")
     if engine == "sglang":
         # SpecForge's reading: norm_output = the final norm before lm_head, as the draft was trained.
@@ -280,6 +282,16 @@ def _draftlab_block_problems(cfg: dict, engine: str, aux: list[int] | None, prob
         if aux != want:
             problems.add(f"config: {_AUX_KEY} {aux} are not the draftlab ids {c.aux_layer_ids} ({c.layer_convention}) "
                          f"as vLLM reads them: input_to = output_of + 1 = {want}")
+
+
+def _window_readable(layer_cfg: dict, where: str, problems: _Problems) -> None:
+    """``layer_types`` / ``sliding_window`` of ``layer_cfg`` say one window for every layer, or none."""
+    layers = layer_cfg.get("num_hidden_layers", 1)
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        try:
+            window_from_hf(layer_cfg, layers)
+        except ValueError as e:
+            problems.add(f"{where}: {e}")
 
 
 def _open_config(path: Path, problems: _Problems) -> dict | None:
@@ -348,6 +360,8 @@ def validate_native(path: str | Path, engine: str | None = None) -> list[str]:
             problems.add(f"config: eagle_config.{_AUX_KEY} {nested} differs from the top-level {aux}: vLLM builds "
                          "that fall back to eagle_config would read other layers")
     _draftlab_block_problems(cfg, engine, aux, problems)
+    if cfg.get("draftlab") is None:
+        _window_readable(cfg, "config", problems)
     meta, small = _tensor_meta(path, problems)
     if meta:
         prefix = native_layer_prefix if engine == "sglang" else vllm_layer_prefix
@@ -393,6 +407,7 @@ def validate_speculators(path: str | Path) -> list[str]:
         if tl.get("model_type", "llama") != "llama":
             problems.add(f"config: transformer_layer_config.model_type is {tl.get('model_type')!r}, expected 'llama'")
         dims = _draft_dims(cfg, tl, "config: transformer_layer_config", flags, problems)
+        _window_readable(tl, "config: transformer_layer_config", problems)
     _check_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"), "config: eagle_aux_hidden_state_layer_ids", problems)
     _speculators_block_problems(cfg.get("speculators_config"), problems)
     meta, small = _tensor_meta(path, problems)
