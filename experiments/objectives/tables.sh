@@ -27,8 +27,12 @@ for bench in specbench gsm8k; do
     for T in 0 1; do
       ref=$R/${bench}_${m}_kl_method_adamw_t$T.json
       [ -f "$ref" ] || continue
-      others=(); for f in $R/${bench}_${m}_*_t$T.json; do [ "$f" != "$ref" ] && others+=("$f"); done
-      draftlab-report "$ref" "${others[@]}" --out $HERE/report_${bench}_${m}_t$T --format md \
+      paths=("$ref"); names=(--name kl)
+      for f in $R/${bench}_${m}_*_t$T.json; do   # each arm named by its loss_weighting_optimizer
+        [ "$f" = "$ref" ] && continue
+        arm=$(basename "$f" .json); arm=${arm#"${bench}_${m}_"}; paths+=("$f"); names+=(--name "${arm%_t$T}")
+      done
+      draftlab-report "${paths[@]}" "${names[@]}" --out $HERE/report_${bench}_${m}_t$T --format md \
           --curves val/simulated_tau --curve-x seconds --title "$m, $bench, T = $T: arms against forward KL"
     done
   done

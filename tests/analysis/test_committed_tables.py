@@ -59,7 +59,18 @@ CONFU_INTERVALS = ["confu/records/recipe_t0_intervals/eagle3", "confu/records/re
 CONFU_GRID = [f"confu/records/recipe_grid_intervals/{m}" for m in ("eagle3", "eagle3_continue", "confu")] + [
     "--layout", "table1", "--ci"]  # confu/README.md
 
+OBJ = "objectives/records"
+
+
+def _objectives(bench: str) -> list[str]:
+    """objectives/tables.sh: every arm's record of ``bench``, in the order its shell glob lists them."""
+    files = sorted(p.name for p in (EXPERIMENTS / OBJ).glob(f"{bench}_*.json"))
+    return [*(f"{OBJ}/{f}" for f in files), "--layout", "methods", "--ci", "--cell", "joint"]
+
+
 TABLES: list[tuple[str, list[str]]] = [
+    ("objectives/table_specbench.md", _objectives("specbench")),
+    ("objectives/table_gsm8k.md", _objectives("gsm8k")),
     ("confu/table1_recipe.md", CONFU_RECIPE),
     ("confu/table1_recipe.tex", [*CONFU_RECIPE, "--format", "latex"]),
     ("confu/table1_recipe_intervals.md", CONFU_INTERVALS),
