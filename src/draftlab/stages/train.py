@@ -89,6 +89,11 @@ class HistoryCallback(L.Callback):
         if len(row) > 4:
             self.rows.append(row)
 
+    def add_row(self, trainer, metrics: dict[str, float]) -> None:
+        """A row of metrics measured outside the module's logging (served checks), at the current step."""
+        self.rows.append({"step": int(trainer.global_step), "epoch": int(trainer.current_epoch),
+                          "tokens": self.tokens, "seconds": round(self.seconds(), 3), **metrics})
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         if mask is not None:
@@ -216,6 +221,9 @@ def train_draft(cfg: DictConfig, target, data, spec: MethodSpec, loggers: list |
     module = spec.build_module(draft, target)
     has_val = float(spec.block("data").get("val_fraction") or 0) > 0
     callbacks, history = _callbacks(cfg, root, spec.monitor if has_val else None)
+    for cb in callbacks:  # callbacks that measure the run itself (served checks) learn what it trains
+        if hasattr(cb, "bind_run"):
+            cb.bind_run(cfg=cfg, spec=spec, target=target, root=root)
     trainer = _trainer(cfg, callbacks, loggers, root)
     resume = root / "checkpoints" / "resume.ckpt"
     ckpt_path = str(resume) if resume.exists() else None
