@@ -51,7 +51,8 @@ class ServedEval(L.Callback):
             raise ValueError(f"every_n_steps must be >= 1 or null, got {every_n_steps}")
         self.every, self.at_end, self.n_prompts, self.max_tokens = every_n_steps, at_end, prompts, max_tokens
         self.k, self.retries, self.retry_wait, self.reload = num_speculative_tokens, retries, retry_wait, reload
-        self.verify_reload, self.url, self.engine, self.overrides = verify_reload, url, engine, dict(served or {})
+        self.verify_reload, self.url, self.engine, self.overrides = verify_reload, url, engine, {
+            k: v for k, v in dict(served or {}).items() if v is not None}
         self.rows: list[dict[str, Any]] = []
         self.last_step: int | None = None
         self._run: dict[str, Any] | None = None
