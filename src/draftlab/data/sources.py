@@ -153,3 +153,26 @@ class BenchmarkSpec:
         path = resolve_path(self.path)
         qs = load_humaneval(path) if self.format == "humaneval" else load_question_jsonl(path)
         return select_questions(qs, categories=self.categories, per_category=self.per_category, limit=self.limit)
+
+
+@dataclass
+class ConversationBench:
+    """The run's own training conversations as benchmark questions (their user turns, normalised as the data
+    stage normalises them): an overfit check asks a draft what it was trained on (``experiment=gate``)."""
+
+    data: DataSpec
+    name: str = "train_conversations"
+    limit: int | None = 1
+
+    def load(self, tokenizer=None):
+        from draftlab.data.benchmarks import Question
+
+        convs, _ = self.data.load()
+        out = []
+        for c in convs[: self.limit]:
+            turns = [m["content"] for m in c.messages if m.get("role") == "user"]
+            if turns:
+                out.append(Question(question_id=c.id, category="train", turns=turns))
+        if not out:
+            raise ValueError("the data sources hold no conversation with a user turn to ask")
+        return out

@@ -63,7 +63,11 @@ def evaluate(cfg: DictConfig, target, drafter, run_dir: Path, spec: MethodSpec, 
 
     with closing_all(drafter):
         if check_engine(cfg) != "draftlab":  # a serving engine: the run's draft exported, served, compared
-            return served_evaluate(cfg, target, artifact, run_dir, spec)
+            from draftlab.eval.gate import apply_gate
+
+            record, metrics = served_evaluate(cfg, target, artifact, run_dir, spec)
+            apply_gate(cfg, record, metrics)  # eval.gate (experiment=gate): the overfit verdict
+            return record, metrics
         with ExitStack() as stack:
             baselines, bspecs = baseline_drafters(cfg, spec, artifact.draft if artifact else None, stack)
             trained = artifact.trained_config if artifact is not None else None

@@ -102,6 +102,9 @@ def run_pipeline(cfg: DictConfig, *, stage: str = "train") -> dict[str, Any] | N
             record["eval_reuse"] = reused
         path = tracking.write_record(run_dir, record)
         log.info("run record: %s", path)
+        from draftlab.eval.gate import raise_if_failed
+
+        raise_if_failed(eval_record)  # an overfit gate that failed ends the job with an error, its record kept
         return record
     finally:
         ranks.end_job()
