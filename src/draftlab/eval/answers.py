@@ -9,7 +9,9 @@ A line, as Spec-Bench's ``evaluation/eval.py`` writes it::
                   "new_tokens": [120, 161],                            # generated tokens per turn
                   "wall_time": [1.92, 2.41],                           # seconds per turn
                   "prefill_time": [0.31, 0.35],                        # of which prefill, per turn
-                  "accept_lengths": [4, 3, 1, ...]}]}                  # per verify round, all turns pooled
+                  "accept_lengths": [4, 3, 1, ...],                    # per verify round, all turns pooled
+                  "tau": [3.0, 2.4],                                   # per turn (draftlab's addition)
+                  "acceptance": [[0.9, 0.7, 0.4], [0.8, 0.6]]}]}       # per turn, per draft position
 
 ``accept_lengths`` counts the tokens committed in each round, the bonus token included, so vanilla
 decoding writes a list of ones. ``prefill_time`` (draftlab's addition, optional so that older files and
@@ -17,6 +19,13 @@ Spec-Bench's own still load) is the part of each turn's ``wall_time`` spent on t
 timing subtracts (``draftlab.eval.metrics``). Spec-Bench's name for the per-turn step count is ``decoding_steps``;
 it is kept so its own ``speed.py`` and ``equal.py`` read these files unchanged. Extra keys (in the record
 or in a choice) are allowed and kept.
+
+``tau`` and ``acceptance`` (draftlab's additions, optional: files written before them still load) are the
+per-request numbers that ``accept_lengths`` loses by pooling the turns. A turn's ``tau`` is its mean accept
+length, the bonus token included (:func:`turn_tau`, ``DecodeStats.tau``; ``null`` for a turn without a verify
+round). Its ``acceptance`` holds, per draft position i, the share of its rounds that accepted more than i
+drafted tokens (:func:`acceptance_rates`): vLLM's per-position acceptance rate, so a served answer and a
+draftlab answer compare entry by entry. The two agree by construction: ``tau = 1 + sum(acceptance)``.
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ def answer_record(question, turns: Sequence, model_id: str, *, index: int = 0, *
         # seconds in the drafter's propose and in the verify passes, per turn (cost models read them)
         "draft_time": [sum(t.stats.draft_times) for t in turns],
         "verify_time": [sum(t.stats.verify_times) for t in turns],
+        "tau": [turn_tau(t.stats.accept_lengths) for t in turns],
+        "acceptance": [acceptance_rates(t.stats.accept_lengths) for t in turns],
     }
     drafter_stats = [getattr(t.stats, "drafter_stats", None) for t in turns]
     if any(d is not None for d in drafter_stats):
@@ -65,6 +76,29 @@ def answer_record(question, turns: Sequence, model_id: str, *, index: int = 0, *
     }
     record.update(extra)
     return record
+
+
+def turn_tau(accept_lengths: Sequence[int]) -> float | None:
+    """Tokens committed per verify round, the bonus token included (``None`` without a round).
+
+    The mean of the accept lengths, not ``new_tokens / rounds``: the first new token comes from the prefill,
+    not from a verify round, so counting it would put AR above 1 and diverge from the pooled τ of
+    :mod:`draftlab.eval.metrics` and from a served engine's ``1 + accepted / drafts``.
+    """
+    return sum(accept_lengths) / len(accept_lengths) if accept_lengths else None
+
+
+def acceptance_rates(accept_lengths: Sequence[int]) -> list[float]:
+    """Per draft position i, the share of rounds whose accepted draft tokens (accept length - 1) exceed i.
+
+    The list stops at the longest accepted run: the engine's statistics do not record how deep the drafter
+    proposed, and a position past the end has rate 0 (no round got past it). AR rounds accept nothing, so
+    AR gives ``[]``, as does a turn without a round.
+    """
+    if not accept_lengths:
+        return []
+    accepted = [a - 1 for a in accept_lengths]
+    return [sum(a > i for a in accepted) / len(accepted) for i in range(max(0, max(accepted)))]
 
 
 def validate_answer(record: Any, *, file: str | Path | None = None, line: int | None = None) -> dict:
@@ -115,6 +149,7 @@ def validate_answer(record: Any, *, file: str | Path | None = None, line: int | 
             if not _non_negative_number(v):
                 raise fail(f"expected a non-negative number, got {v!r}", f"{where}.wall_time[{i}]")
         _check_prefill_time(choice, n_turns, where, fail)
+        _check_per_turn_metrics(choice, n_turns, where, fail)
     return record
 
 
@@ -134,6 +169,22 @@ def _check_prefill_time(choice: dict, n_turns: int, where: str, fail) -> None:
             raise fail(f"expected a non-negative number, got {p!r}", f"{where}.prefill_time[{i}]")
         if p > wall:
             raise fail(f"prefill time {p} exceeds the turn's wall_time {wall}", f"{where}.prefill_time[{i}]")
+
+
+def _check_per_turn_metrics(choice: dict, n_turns: int, where: str, fail) -> None:
+    """``tau`` and ``acceptance``, when present: one entry per turn; a τ is null or at least 0, a rate in [0, 1]."""
+    for key in ("tau", "acceptance"):
+        if key in choice and (not isinstance(choice[key], list) or len(choice[key]) != n_turns):
+            raise fail(f"expected a list with one entry per turn ({n_turns})", f"{where}.{key}")
+    for i, tau in enumerate(choice.get("tau", [])):
+        if tau is not None and not _non_negative_number(tau):
+            raise fail(f"expected null or a non-negative number, got {tau!r}", f"{where}.tau[{i}]")
+    for i, rates in enumerate(choice.get("acceptance", [])):
+        if not isinstance(rates, list):
+            raise fail(f"expected a list of rates, got {type(rates).__name__}", f"{where}.acceptance[{i}]")
+        for j, r in enumerate(rates):
+            if not _non_negative_number(r) or r > 1:
+                raise fail(f"expected a rate in [0, 1], got {r!r}", f"{where}.acceptance[{i}][{j}]")
 
 
 def write_answer(path: str | Path, record: dict) -> None:
