@@ -207,9 +207,42 @@ def _add_training(report: Report, out_dir: Path, trained: list[tuple[str, Record
                 series[name] = points
         path = plot_curves(series, key, out_dir / f"train_{_slug(key)}.png", x_label=curve_x)
         _add_image(report, path, f"training curve {key}")
+    _add_served_checks(report, out_dir, trained, names, curve_x)
     best_rows = [[name, ", ".join(f"{k}={_short(v)}" for k, v in (r.train.get("best") or {}).items()) or "–"]
                  for (_, r), name in zip(trained, names)]
     report.blocks.append(TableBlock(["Run", "Best"], best_rows, align="ll"))
+
+
+SIMULATED_TAU = "val/simulated_tau"
+
+
+def _add_served_checks(report: Report, out_dir: Path, trained: list[tuple[str, Record]], names: list[str],
+                       curve_x: str) -> None:
+    """Runs trained with served checks (``callbacks=served_eval``): the engine's τ and the simulated τ on one
+    plot, and each check's numbers (failed checks listed, never plotted)."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    rows = []
+    for (_, r), name in zip(trained, names):
+        checks = [h for h in r.history if "served/failed" in h and curve_x in h]
+        if not checks:
+            continue
+        series[f"{name} served"] = [(h[curve_x], h["served/tau"]) for h in checks if _is_plottable(h.get("served/tau"))]
+        series[f"{name} simulated"] = [(h[curve_x], h[SIMULATED_TAU]) for h in r.history
+                                       if _is_plottable(h.get(SIMULATED_TAU)) and curve_x in h]
+        for h in checks:
+            simulated = [v for x, v in series[f"{name} simulated"] if x <= h[curve_x]]
+            rows.append([name, _short(h[curve_x]), "FAILED" if h["served/failed"] else _short(h.get("served/tau")),
+                         _short(simulated[-1]) if simulated else "–",
+                         " ".join(_short(h[k]) for k in sorted(h) if k.startswith("served/acc_")) or "–",
+                         _short(h.get("served/reload_s", h.get("served/startup_s", "–")))])
+    if not rows:
+        return
+    report.blocks.append(Heading(3, "Served vs simulated τ (served checks during training)"))
+    path = plot_curves({k: v for k, v in series.items() if v}, "tau: served (engine) vs simulated",
+                       out_dir / "train_served_vs_simulated_tau.png", x_label=curve_x)
+    _add_image(report, path, "served vs simulated tau")
+    report.blocks.append(TableBlock(["Run", curve_x, "served τ", "simulated τ (last)", "served acc@i",
+                                     "reload / start s"], rows, align="llrrlr"))
 
 
 def _curve_names(trained: list[tuple[str, Record]]) -> list[str]:

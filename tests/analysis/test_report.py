@@ -327,3 +327,24 @@ def test_malformed_question_rows_are_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "confu/record.json: 'eval.questions' must be a list of objects with keys question_id" in err
     assert len(err.splitlines()) == 1
+
+
+def test_served_checks_are_plotted_beside_the_simulated_tau(tmp_path):
+    """A run trained with callbacks=served_eval: one plot of the engine's tau and the simulated tau, and a
+    table of the checks in which a failed check is listed (not plotted) with the simulated tau before it."""
+    history = [{"step": s, "seconds": 10.0 * s, "train/loss": 3.0 - 0.1 * s} for s in range(1, 7)]
+    history += [{"step": 2, "seconds": 20.0, "val/simulated_tau": 1.4}, {"step": 4, "seconds": 40.0, "val/simulated_tau": 1.8}]
+    history += [{"step": 2, "seconds": 21.0, "served/tau": 1.3, "served/failed": 0, "served/acc_0": 0.3,
+                 "served/startup_s": 95.0},
+                {"step": 4, "seconds": 41.0, "served/failed": 1, "served/attempts": 3},
+                {"step": 6, "seconds": 61.0, "served/tau": 1.7, "served/failed": 0, "served/acc_0": 0.6,
+                 "served/reload_s": 2.5}]
+    t = write_sweep(tmp_path / "train", [make_record(label="EAGLE-3", kind="train", history=history, run_name="a")])
+    out = tmp_path / "report"
+    assert main([str(t), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    png = out / "train_served_vs_simulated_tau.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png.name})" in md
+    section = md.split("Served vs simulated")[1].split("| Run | Best")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| train")]
+    assert [r.split(" | ")[1:4] for r in rows] == [["2", "1.3", "1.4"], ["4", "FAILED", "1.8"], ["6", "1.7", "1.8"]]
