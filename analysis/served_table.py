@@ -4,7 +4,9 @@ Reads the ``eval.served`` list a served evaluation records (``eval.engine=vllm|s
 τ of the engine's own counters and of draftlab's chain on the same prompts, the paired-bootstrap interval of
 their gap, outputs identical to the engine's plain decoding, and the two speed-ups measured side by side
 (served draft over served plain; draftlab chain over draftlab AR). Nothing is pooled: each row is one run's
-one chain.
+one chain. The last column is the same chain sampled at T = 1 (a run with ``eval.temperature=1``: its
+``served_sampled`` entry): served τ / draftlab τ and the verdict of the comparison of the two acceptance
+distributions ("–" where the run sampled no chain at T = 1).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from analysis.results import Record
 
 HEADERS = ("Method", "Setting", "Engine", "Prompts", "k", "served τ", "draftlab τ", "gap [95% CI]",
-           "= plain", "= draftlab", "served SR", "draftlab SR")
+           "= plain", "= draftlab", "served SR", "draftlab SR", "T=1 τ served / draftlab")
 
 
 def _served(r: Record) -> list[dict[str, Any]]:
@@ -27,6 +29,14 @@ def _served(r: Record) -> list[dict[str, Any]]:
 
 def _f(x: float | None, spec: str) -> str:
     return "–" if x is None else format(x, spec)
+
+
+def _sampled_t1(r: Record, k: int, spec: str) -> str:
+    """Served τ / draftlab τ and the verdict of the chain of k sampled at T = 1, "–" without one."""
+    for e in (r.eval or {}).get("served_sampled") or []:
+        if e.get("temperature") == 1.0 and e.get("num_speculative_tokens") == k:
+            return f"{_f(e['served']['tau'], spec)} / {_f(e['draftlab']['tau'], spec)} {e.get('verdict') or 'not judged'}"
+    return "–"
 
 
 def _flag(par: dict[str, Any]) -> str:
@@ -49,7 +59,7 @@ def served_rows(records: Sequence[Record], precision: int = 2) -> list[list[str]
             rows.append([r.label, setting_text(r), str(s.get("engine", "")), str(n), str(s["num_speculative_tokens"]),
                          _f(s["served"]["tau"], p), _f(s["draftlab"]["tau"], p), ci, f"{s['identical_to_plain']}/{n}",
                          f"{s['same_tokens_as_draftlab']}/{n}", _f(speed.get("served_speedup"), p),
-                         _f(speed.get("draftlab_speedup"), p)])
+                         _f(speed.get("draftlab_speedup"), p), _sampled_t1(r, s["num_speculative_tokens"], p)])
     return rows
 
 

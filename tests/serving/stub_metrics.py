@@ -6,6 +6,11 @@ from the plain server's). Each answer adds ``plan(prompt)`` = accepted tokens pe
 that ``/metrics`` serves in vLLM's names and Prometheus text format (``# HELP`` / ``# TYPE`` lines, a ``_created``
 twin per counter, ``engine`` / ``position`` labels); ``lag`` delays the counter update past the answer, as an
 engine recording its stats a step later would. ``start_counts`` is traffic from before the run.
+
+``draw(prompt, request)``, when given, replaces ``plan`` for every request (the rounds may then depend on the
+request's seed and temperature). A sampled request (``temperature > 0``) gets an answer that starts with its seed,
+so that seeds give different outputs, unless ``ignore_temperature`` (a server that decodes greedily whatever it
+is asked). Every request body is kept in ``requests``.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ PREFIX = "vllm:spec_decode_num_"
 
 class SpecStub:
     def __init__(self, *, k: int = 3, plan: Callable[[str], list[int]] | None = None, changed: set[str] = frozenset(),
-                 lag: float = 0.0, start_counts: tuple[int, int] = (0, 0)):
+                 lag: float = 0.0, start_counts: tuple[int, int] = (0, 0),
+                 draw: Callable[[str, dict], list[int]] | None = None, ignore_temperature: bool = False):
         self.k, self.plan, self.changed, self.lag = k, plan, set(changed), lag
+        self.draw, self.ignore_temperature, self.requests = draw, ignore_temperature, []
         self.lock = threading.Lock()
         self.drafts, accepted = start_counts
         self.per_pos = [accepted] + [0] * (k - 1)  # earlier traffic: all accepted at position 0
@@ -63,11 +70,15 @@ class SpecStub:
 
     def answer(self, request: dict) -> dict:
         prompt = request["messages"][-1]["content"]
-        text = ("echo: " + prompt)[: int(request.get("max_tokens") or 10**9)]
+        sampled = float(request.get("temperature") or 0.0) > 0 and not self.ignore_temperature
+        with self.lock:
+            self.requests.append(request)
+        text = (f"{request.get('seed')}~" * sampled + "echo: " + prompt)[: int(request.get("max_tokens") or 10**9)]
         if prompt in self.changed:
             text = text[::-1]
-        if self.plan is not None:
-            rounds = self.plan(prompt)
+        plan = (lambda p: self.draw(p, request)) if self.draw is not None else self.plan
+        if plan is not None:
+            rounds = plan(prompt)
             if self.lag:
                 threading.Timer(self.lag, self.count, args=(rounds,)).start()
             else:

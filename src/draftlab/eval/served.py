@@ -22,6 +22,10 @@ flagged. It is a hint, not a diagnosis: the printed checklist names the usual ca
 ``eval.engine=sglang`` launches ``sglang.launch_server`` the same way (a chain: ``--speculative-eagle-topk 1``);
 SGLang's metrics have other names, so there only outputs and tok/s come back. Here (no GPU) it fails at once
 with the command it would run.
+
+``eval.temperature > 0`` adds a sampled comparison (``served_sampling``) on the same servers: each prompt asked
+with ``eval.served.seeds`` seeds on both sides, acceptance compared as distributions (cluster bootstrap over
+prompts), recorded as ``served_sampled``. The T = 0 comparison above runs as well: it is the exact one.
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ from draftlab.eval.served_metrics import (
     format_served,
     query_server,
 )
+from draftlab.eval.served_sampling import (
+    DEFAULT_SEEDS,
+    evaluate_sampled,
+    format_sampled,
+    query_seeded,
+    sampled_metrics,
+    sampling_settings,
+    seed_list,
+)
 from draftlab.utils.errors import ConfigError
 
 ENGINES = ("draftlab", "vllm", "sglang")
@@ -48,7 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "python": None, "urls": None, "num_speculative_tokens": 3, "prompts": 6, "max_tokens": 64,
     "dtype": "float32", "max_model_len": 2048, "startup_timeout": 1200, "request_timeout": 600,
     "env": {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"},
-    "extra": [], "chain": None, "bootstrap": 2000, "level": 0.95,
+    "extra": [], "chain": None, "bootstrap": 2000, "level": 0.95, "seeds": DEFAULT_SEEDS,
 }
 
 
@@ -93,6 +106,7 @@ def served_settings(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}", field="eval.served")
     s = {**DEFAULTS, **given}
     ks = chain_lengths(s)
+    s["seeds"] = seed_list(s["seeds"])
     if given.get("chain") and len(ks) > 1:
         raise ConfigError("one chain's knobs cannot make chains of several lengths: drop eval.served.chain (the "
                           "method's export.serve.chain makes each) or ask one length", field="eval.served.chain")
@@ -169,23 +183,32 @@ def _server(engine: str, model: str, s: dict[str, Any], draft_dir: Path | None, 
 
 
 def _serve_all(engine: str, model: str, s: dict[str, Any], draft_dir: Path | None, method: str, out: Path,
-               prompts: list[str]) -> tuple[list[ServedAnswer], dict[int, list[ServedAnswer]]]:
-    """(plain answers, {k: answers with the draft as a chain of k}): from ``eval.served.urls`` (one k) or one
-    launch at a time (plain, then one per chain length)."""
+               prompts: list[str], sampling: dict[str, Any] | None = None
+               ) -> tuple[list[ServedAnswer], dict[int, list[ServedAnswer]], dict[int, dict[str, Any]]]:
+    """(plain answers, {k: answers with the draft as a chain of k}, {k: seeded sampled answers, with
+    ``sampling``}): from ``eval.served.urls`` (one k) or one launch at a time (plain, then one per chain length)."""
     ask = dict(max_tokens=int(s["max_tokens"]), model="target", timeout=float(s["request_timeout"]))
-    urls, ks = s["urls"], chain_lengths(s)
+    urls, ks, seeded = s["urls"], chain_lengths(s), {}
+
+    def sampled(url: str, k: int) -> None:  # on the same server, while it runs: a launch costs minutes
+        if sampling:
+            seeded[k] = query_seeded(url, prompts, desc=f"{engine} k={k}", **sampling, **ask)
+
     if urls:
         if set(urls) != {"plain", "spec"} or len(ks) != 1:
             raise ConfigError("expected {plain: URL, spec: URL} and one num_speculative_tokens", field="eval.served.urls")
-        return (query_server(urls["plain"], prompts, desc=f"{engine} plain", **ask)[0],
-                {ks[0]: query_server(urls["spec"], prompts, desc=f"{engine} k={ks[0]}", **ask)[0]})
+        plain = query_server(urls["plain"], prompts, desc=f"{engine} plain", **ask)[0]
+        spec = {ks[0]: query_server(urls["spec"], prompts, desc=f"{engine} k={ks[0]}", **ask)[0]}
+        sampled(urls["spec"], ks[0])
+        return plain, spec, seeded
     with _server(engine, model, s, None, method, out / f"{engine}_plain.log") as server:
         plain = query_server(server.url, prompts, desc=f"{engine} plain", **ask)[0]
     spec = {}
     for k in ks:
         with _server(engine, model, s, draft_dir, method, out / f"{engine}_spec_k{k}.log", k=k) as server:
             spec[k] = query_server(server.url, prompts, desc=f"{engine} k={k}", **ask)[0]
-    return plain, spec
+            sampled(server.url, k)
+    return plain, spec, seeded
 
 
 def _prompts(cfg: DictConfig, s: dict[str, Any], tokenizer) -> tuple[str, list[str]]:
@@ -221,7 +244,8 @@ def served_evaluate(cfg: DictConfig, target, artifact, run_dir: Path, spec
     if not s["urls"]:
         fmt = plan["format"]
         export_dir = export_checkpoint(spec, draft_dir, out / f"draft_{engine}", format=fmt, target=target)[fmt]
-    plain, served = _serve_all(engine, model, s, export_dir, plan["method"], out, prompts)
+    sampling = sampling_settings(cfg.eval, s)  # None at T = 0: the greedy comparison alone, as before
+    plain, served, seeded = _serve_all(engine, model, s, export_dir, plan["method"], out, prompts, sampling)
     max_tokens = int(s["max_tokens"])
     ar = draftlab_chain(target, None, prompts, k=0, max_tokens=max_tokens)  # draftlab's AR: its speed-up's reference
     recs = []
@@ -231,16 +255,21 @@ def served_evaluate(cfg: DictConfig, target, artifact, run_dir: Path, spec
                             resamples=int(s["bootstrap"]), level=float(s["level"]))
                     | {"engine": engine, "bench": bench, "max_tokens": max_tokens, "chain": s["chains"][k],
                        "export": str(export_dir) if export_dir else None, "urls": s["urls"]})
+    sampled = evaluate_sampled(target, lambda k: chain_drafter(cfg, draft, s["chains"][k]), prompts, seeded, recs,
+                               sampling, max_tokens=max_tokens, resamples=int(s["bootstrap"]),
+                               level=float(s["level"])) if sampling else []
     text = "\n\n".join([format_served(r, engine) for r in recs]
                         + ([f"Chains {', '.join(str(r['num_speculative_tokens']) for r in recs)}:\n"
-                            + format_chains(recs, engine)] if len(recs) > 1 else []))
+                            + format_chains(recs, engine)] if len(recs) > 1 else [])
+                        + [format_sampled(e, engine) for e in sampled])
     print(text)
     atomic_write_text(Path(run_dir) / "served_comparison.txt", text + "\n")
     metrics = {f"eval/served/k{r['num_speculative_tokens']}/{key}": float(v) for r in recs
                for key, v in (("tau", r["served"]["tau"]), ("draftlab_tau", r["draftlab"]["tau"]),
                               ("identical_to_plain", r["identical_to_plain"]), ("parity_flagged", r["parity"]["flagged"]),
                               ("speedup", r["speed"]["served_speedup"]), ("draftlab_speedup", r["speed"]["draftlab_speedup"]))
-               if v is not None}
+               if v is not None} | sampled_metrics(sampled)
+    # "temperature" is the served list's (greedy); each served_sampled entry carries its own
     record = {"bench": bench, "method": spec.name, "label": spec.label, "engine": engine, "temperature": 0.0,
               "axes": spec.axes(artifact.trained_config), "max_new_tokens": max_tokens, "served": recs}
-    return record, metrics
+    return (record | {"served_sampled": sampled} if sampling else record), metrics

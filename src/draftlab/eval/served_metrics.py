@@ -117,8 +117,10 @@ class ServedAnswer:
 
 
 def query_server(url: str, prompts: list[str], *, max_tokens: int, model: str, timeout: float = 600.0,
-                 settle: float = 0.2, desc: str = "served") -> tuple[list[ServedAnswer], SpecCounters]:
-    """Ask ``prompts`` one at a time (greedy); per prompt its answer and counter delta, plus the run's delta.
+                 settle: float = 0.2, desc: str = "served", params: dict[str, Any] | None = None
+                 ) -> tuple[list[ServedAnswer], SpecCounters]:
+    """Ask ``prompts`` one at a time (greedy unless ``params``, request fields over the greedy defaults, say
+    otherwise: e.g. ``temperature`` and ``seed``); per prompt its answer and counter delta, plus the run's delta.
     ``desc`` names the progress bar."""
     from tqdm.auto import tqdm
 
@@ -129,7 +131,8 @@ def query_server(url: str, prompts: list[str], *, max_tokens: int, model: str, t
     start = before = _settled_counters(url, settle)
     answers = []
     for prompt in tqdm(prompts, desc=desc, unit="prompt"):
-        (done,) = client.chat_many_sync([[{"role": "user", "content": prompt}]], max_tokens=max_tokens)
+        (done,) = client.chat_many_sync([[{"role": "user", "content": prompt}]], max_tokens=max_tokens,
+                                        **(params or {}))
         after = _settled_counters(url, settle)
         answers.append(ServedAnswer(done.token_ids, done.text, done.prompt_token_ids, done.latency_s,
                                     done.completion_tokens / max(done.latency_s, 1e-9), after - before,
@@ -284,7 +287,8 @@ def compare(plain: list[ServedAnswer], spec: list[ServedAnswer], chain: list[Cha
                                        for a, c in zip(spec, chain)),
         "same_prompt_ids": sum(a.prompt_token_ids == c.prompt_ids for a, c in zip(spec, chain)),
         "per_prompt": [{"served_tau": a.counters.tau, "draftlab_tau": c.counters.tau, "served_tps": a.tps,
-                        "plain_tps": p.tps} for a, c, p in zip(spec, chain, plain)],
+                        "plain_tps": p.tps, "served_acceptance": a.counters.position_rates,
+                        "draftlab_acceptance": c.counters.position_rates} for a, c, p in zip(spec, chain, plain)],
         "parity": asdict(par) | {"last_round_excess": last_round_excess(spec, chain, k=k, max_tokens=max_tokens)},
         "speed": speedups(plain, spec, chain, ar),
     }
