@@ -231,7 +231,8 @@ def _add_served_checks(report: Report, out_dir: Path, trained: list[tuple[str, R
                                        if _is_plottable(h.get(SIMULATED_TAU)) and curve_x in h]
         for h in checks:
             simulated = [v for x, v in series[f"{name} simulated"] if x <= h[curve_x]]
-            rows.append([name, _short(h[curve_x]), "FAILED" if h["served/failed"] else _short(h.get("served/tau")),
+            tau = h.get("served/tau", h.get("served/fresh_tau"))  # a fresh launch's row ends a verified run
+            rows.append([name, _short(h[curve_x]), "FAILED" if h["served/failed"] else _short(tau),
                          _short(simulated[-1]) if simulated else "–",
                          " ".join(_short(h[k]) for k in sorted(h) if k.startswith("served/acc_")) or "–",
                          _short(h.get("served/reload_s", h.get("served/startup_s", "–")))])

@@ -127,3 +127,18 @@ def test_answers_that_change_after_a_reload_start_a_fresh_server(monkeypatch, tm
 def test_every_n_steps_must_be_positive():
     with pytest.raises(ValueError, match="every_n_steps"):
         ServedEval(every_n_steps=0)
+
+
+def test_verify_reload_ends_with_a_fresh_launch_on_the_final_export(monkeypatch, tmp_path):
+    servers = [_Launched(_full), _Launched(lambda p: [3, 0, 1])]  # the fresh server accepts less: both recorded
+    cb, reloads = _bound(monkeypatch, tmp_path, servers[:])
+    cb.verify_reload = True
+    trainer = _Trainer()
+    trainer.global_step = 1
+    cb.check(trainer, None)
+    trainer.global_step = 2
+    cb.on_train_end(trainer, None)  # the final check (a reload), then the fresh launch
+    end, fresh = cb.rows[-2:]
+    assert end["mode"] == "reload" and fresh["mode"] == "fresh"
+    assert fresh["reloaded_tau"] == pytest.approx(1 + 8 / 3) and fresh["fresh_tau"] == pytest.approx(1 + 4 / 3)
+    assert not servers[0].running and not servers[1].running  # both stopped

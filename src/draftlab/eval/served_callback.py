@@ -250,8 +250,9 @@ class ServedEval(L.Callback):
                 cb.add_row(trainer, {k: v for k, v in numbers.items() if k != "served/simulated_tau"})
         if self._run is not None:
             self._write_csv()
-        state = "FAILED" if row.get("failed") else f"tau {row.get('tau', row.get('fresh_tau')):.3f}"
-        log.info("served check at step %d: %s (%s, %.0f s)", step, state, row.get("mode", "-"), row.get("check_s", 0))
+        if row.get("mode") != "fresh":  # the fresh launch logs its own line
+            state = "FAILED" if row.get("failed") else f"tau {row['tau']:.3f}"
+            log.info("served check at step %d: %s (%s, %.0f s)", step, state, row.get("mode", "-"), row["check_s"])
 
     def _write_csv(self) -> None:
         from draftlab.utils.atomic import atomic_write_text
