@@ -169,7 +169,8 @@ def _parser() -> argparse.ArgumentParser:
                         "table6: rows by training (TTT) length x Nodes x T, tau only, one method; methods: "
                         "Method x its own axes (and the evaluation settings that differ) x T, methods with "
                         "different knobs side by side; served: served vs draftlab tau per chain length "
-                        "(eval.engine=vllm|sglang runs; markdown only). Each row is one configuration: "
+                        "(eval.engine=vllm|sglang runs), or throughput with and without the draft per concurrency level "
+                        "(served load runs, experiments/serving/concurrency.py; markdown only). Each row is one configuration: "
                         "table1/table4/table6 refuse records that differ in a setting they have no column for "
                         "(e.g. TTT length in table1) and name the layout or filter that shows it")
     p.add_argument("--format", choices=("markdown", "latex", "both"), default="markdown")
@@ -224,8 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             records = load_records(*args.paths, baselines=args.baselines)
         if args.layout == "served":
             return _write(args, [(".md", _served_markdown(records, args.precision))])
-        if records and all((r.eval or {}).get("served") and not r.columns for r in records):
-            raise TableError("these records hold served evaluations (eval.engine=vllm|sglang): use --layout served")
+        if records and all(((r.eval or {}).get("served") or (r.eval or {}).get("concurrency")) and not r.columns
+                           for r in records):
+            raise TableError("these records hold served evaluations (eval.engine=vllm|sglang) or served load runs "
+                             "(experiments/serving/concurrency.py): use --layout served")
         table = build_table(records, args.layout, labels=args.labels, bench=args.bench, target=args.target,
                             nodes=args.nodes, temperatures=args.temperatures, ttt_lengths=args.ttt_lengths,
                             settings=args.settings, duplicates=args.duplicates, precision=args.precision,
@@ -242,10 +245,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _served_markdown(records, precision: int) -> str:
+    from analysis.served_concurrency import is_concurrency, render_concurrency_markdown
     from analysis.served_table import render_served_markdown
 
+    # Load runs (eval.concurrency) get their own table; served evaluations keep theirs, the two one after the other.
+    load = [r for r in records if is_concurrency(r)]
+    rest = [r for r in records if not is_concurrency(r)]
     try:
-        return render_served_markdown(records, precision)
+        parts = [render_served_markdown(rest, precision)] if not load or any(r.eval.get("served") for r in rest) else []
+        return "\n".join(parts + ([render_concurrency_markdown(load, precision)] if load else []))
     except ValueError as exc:
         raise TableError(str(exc)) from exc
 
