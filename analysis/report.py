@@ -234,16 +234,22 @@ def _add_served_checks(report: Report, out_dir: Path, trained: list[tuple[str, R
             tau = h.get("served/tau", h.get("served/fresh_tau"))  # a fresh launch's row ends a verified run
             rows.append([name, _short(h[curve_x]), "FAILED" if h["served/failed"] else _short(tau),
                          _short(simulated[-1]) if simulated else "–",
-                         " ".join(_short(h[k]) for k in sorted(h) if k.startswith("served/acc_")) or "–",
-                         _short(h.get("served/reload_s", h.get("served/startup_s", "–")))])
+                         " ".join(f"{h[k]:.2f}" for k in sorted(h) if k.startswith("served/acc_")) or "–",
+                         _served_how(h), _short(h.get("served/reload_s", h.get("served/startup_s", "–")))])
     if not rows:
         return
     report.blocks.append(Heading(3, "Served vs simulated τ (served checks during training)"))
     path = plot_curves({k: v for k, v in series.items() if v}, "tau: served (engine) vs simulated",
                        out_dir / "train_served_vs_simulated_tau.png", x_label=curve_x)
     _add_image(report, path, "served vs simulated tau")
-    report.blocks.append(TableBlock(["Run", curve_x, "served τ", "simulated τ (last)", "served acc@i",
-                                     "reload / start s"], rows, align="llrrlr"))
+    report.blocks.append(TableBlock(["Run", curve_x, "served τ", "simulated τ (last)", "served acc@i", "server",
+                                     "reload / start s"], rows, align="llrrllr"))
+
+
+def _served_how(h: dict[str, Any]) -> str:
+    """How a check got its server (the history keeps numbers only, so it is read from which ones it has)."""
+    return ("fresh launch" if "served/fresh_tau" in h else "reload" if "served/reload_s" in h
+            else "launch" if "served/startup_s" in h else "–")
 
 
 def _curve_names(trained: list[tuple[str, Record]]) -> list[str]:
