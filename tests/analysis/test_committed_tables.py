@@ -110,6 +110,8 @@ TABLES: list[tuple[str, list[str]]] = [
                                               "--ci", "--format", "markdown"]),
     ("serving/served_table.md", ["serving/records/dflash_b6", "serving/records/recipe_eagle3",
                                  "--layout", "served"]),                        # serving/README.md
+    ("serving/served_table_sampled.md", ["serving/records/quickstart_eagle3_t0.7", "serving/records/quickstart_eagle3_t1.0",
+                                         "--layout", "served"]),                # serving/README.md section 14
     ("serving/records/concurrency_quickstart_eagle3.md", ["serving/records/concurrency_quickstart_eagle3.json",
                                                           "--layout", "served"]),  # serving/README.md section 10
 ]
