@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,12 @@ def test_verify_reload_ends_with_a_fresh_launch_on_the_final_export(monkeypatch,
     assert end["mode"] == "reload" and fresh["mode"] == "fresh"
     assert fresh["reloaded_tau"] == pytest.approx(1 + 8 / 3) and fresh["fresh_tau"] == pytest.approx(1 + 4 / 3)
     assert not servers[0].running and not servers[1].running  # both stopped
+
+
+def test_an_engine_the_checks_cannot_start_fails_before_training(tmp_path, monkeypatch, shared_data):
+    from draftlab.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="callbacks.served_eval.served.python") as err:
+        _train([f"callbacks.served_eval.served.python={sys.executable}"], tmp_path, monkeypatch, shared_data)
+    assert "vllm is not importable" in str(err.value)
+    assert not list((tmp_path / "art").rglob("checkpoints"))  # no training step was taken

@@ -65,7 +65,8 @@ class ServedEval(L.Callback):
         has no way to be served."""
         from omegaconf import OmegaConf, open_dict
 
-        from draftlab.eval.served import _prompts, serve_plan, served_settings
+        from draftlab.eval.served import _prompts, require_engine, serve_plan, served_settings
+        from draftlab.utils.errors import ConfigError
 
         merged = cfg.copy()
         with open_dict(merged):
@@ -76,6 +77,12 @@ class ServedEval(L.Callback):
         _, prompts = _prompts(merged, s, target.tokenizer)
         model = str(getattr(target.model.config, "_name_or_path", "") or target.name)
         out = Path(root) / "served_eval"
+        if not self.url:  # an engine the checks cannot start fails now, not as a failed check every N steps
+            try:
+                require_engine(self.engine, s, model, out / "export", plan["method"])
+            except ConfigError as e:
+                raise ConfigError(f"served checks: {e}; for the checks set callbacks.served_eval.served.python (or "
+                                  "callbacks.served_eval.url)", field="callbacks.served_eval.served.python") from e
         self._run = {"spec": spec, "target": target, "settings": s, "plan": plan, "prompts": prompts,
                      "model": model, "out": out, "monitor": spec.monitor}
 
