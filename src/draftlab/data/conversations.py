@@ -61,7 +61,7 @@ class Conversation:
 
 
 @dataclass
-class _Loc:
+class RecordLocation:
     """Where a record came from, so every error can point at it."""
 
     file: str
@@ -72,7 +72,7 @@ class _Loc:
         return DataError(message, file=self.file, line=self.line, field=field, record=self.record)
 
 
-def iter_json_records(path: Path) -> Iterator[tuple[_Loc, Any]]:
+def iter_json_records(path: Path) -> Iterator[tuple[RecordLocation, Any]]:
     """Yield ``(location, object)`` for a JSONL file or a file holding one JSON array."""
     with open(path, encoding="utf-8") as f:
         head = f.read(4096).lstrip()
@@ -85,7 +85,7 @@ def iter_json_records(path: Path) -> Iterator[tuple[_Loc, Any]]:
                     f"malformed JSON: {exc.msg} (column {exc.colno})", file=path, line=exc.lineno
                 ) from exc
             for i, row in enumerate(rows):
-                yield _Loc(str(path), record=i), row
+                yield RecordLocation(str(path), record=i), row
             return
         for lineno, text in enumerate(f, start=1):
             if not text.strip():
@@ -96,10 +96,10 @@ def iter_json_records(path: Path) -> Iterator[tuple[_Loc, Any]]:
                 raise DataError(
                     f"malformed JSON: {exc.msg} (column {exc.colno})", file=path, line=lineno
                 ) from exc
-            yield _Loc(str(path), line=lineno), row
+            yield RecordLocation(str(path), line=lineno), row
 
 
-def _canonical_role(raw: Any, loc: _Loc, field_name: str) -> str:
+def _canonical_role(raw: Any, loc: RecordLocation, field_name: str) -> str:
     if not isinstance(raw, str) or raw.strip().lower() not in ROLE_ALIASES:
         known = ", ".join(sorted(ROLE_ALIASES))
         raise loc.error(f"unknown role {raw!r} (known: {known})", field_name)
@@ -117,7 +117,7 @@ def _turn_schema(turn: dict, schema: Schema) -> str:
 
 def _parse_record(
     row: Any,
-    loc: _Loc,
+    loc: RecordLocation,
     *,
     schema: Schema,
     conversations_field: str | None = None,
@@ -156,7 +156,7 @@ def _parse_record(
     return Conversation(id=default_id if raw_id is None else str(raw_id), messages=messages)
 
 
-def _default_id(path: Path | str, loc: _Loc) -> str:
+def _default_id(path: Path | str, loc: RecordLocation) -> str:
     index = loc.line if loc.line is not None else loc.record
     return f"{Path(str(path)).stem}-{index}"
 
@@ -229,7 +229,7 @@ def load_hf_dataset(
     name = Path(path_or_name).stem if local.exists() else path_or_name.replace("/", "_")
     convs = []
     for i, row in enumerate(ds):
-        loc = _Loc(path_or_name, record=i)
+        loc = RecordLocation(path_or_name, record=i)
         if row.get("id") is None and row.get("prompt_id") is not None:
             row = {**row, "id": row["prompt_id"]}
         convs.append(

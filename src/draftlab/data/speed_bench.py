@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from draftlab.data.benchmarks import Question, select_questions
-from draftlab.data.conversations import iter_json_records
+from draftlab.data.conversations import RecordLocation, iter_json_records
 from draftlab.data.errors import DataError
 from draftlab.data.sources import resolve_path
 from draftlab.utils.errors import ConfigError
@@ -134,19 +134,7 @@ def split_files(root: Path, split: str) -> list[Path]:
     return files
 
 
-@dataclass(frozen=True)
-class _Where:
-    """A row's place in its file: a line for JSONL, a record number for parquet and JSON arrays."""
-
-    file: str
-    line: int | None = None
-    record: int | None = None
-
-    def error(self, message: str, field: str | None = None) -> DataError:
-        return DataError(message, file=self.file, line=self.line, field=field, record=self.record)
-
-
-def _rows(file: Path) -> Iterator[tuple[_Where, Any]]:
+def _rows(file: Path) -> Iterator[tuple[RecordLocation, Any]]:
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -155,13 +143,12 @@ def _rows(file: Path) -> Iterator[tuple[_Where, Any]]:
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
             raise DataError(f"unreadable parquet file: {exc}", file=file) from exc
         for i, row in enumerate(rows):
-            yield _Where(str(file), record=i), row
+            yield RecordLocation(str(file), record=i), row
         return
-    for loc, row in iter_json_records(file):
-        yield _Where(loc.file, loc.line, loc.record), row
+    yield from iter_json_records(file)
 
 
-def _read_file(file: Path) -> Iterator[tuple[_Where, Question | None]]:
+def _read_file(file: Path) -> Iterator[tuple[RecordLocation, Question | None]]:
     """``(where, question)`` per row, every field checked; the question is ``None`` for a placeholder row."""
     for where, row in _rows(file):
         if not isinstance(row, dict):
@@ -178,7 +165,7 @@ def _read_file(file: Path) -> Iterator[tuple[_Where, Question | None]]:
         yield where, Question(qid, row["category"], turns)
 
 
-def _turns(row: dict, where: _Where) -> list[str]:
+def _turns(row: dict, where: RecordLocation) -> list[str]:
     if row.get("turns") is None and isinstance(row.get("messages"), list):
         return _user_messages(row["messages"], where)
     turns = row.get("turns")
@@ -190,7 +177,7 @@ def _turns(row: dict, where: _Where) -> list[str]:
     return list(turns)
 
 
-def _user_messages(messages: list, where: _Where) -> list[str]:
+def _user_messages(messages: list, where: RecordLocation) -> list[str]:
     turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
